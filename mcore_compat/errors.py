@@ -1,0 +1,31 @@
+"""Exceptions raised by mcore-compat. Every message says what is wrong and what to do."""
+
+from __future__ import annotations
+
+__all__ = [
+    "MegatronNotFoundError",
+    "McoreCompatError",
+    "PatchError",
+    "SymbolUnavailableError",
+    "UnsupportedVersionError",
+]
+
+
+class McoreCompatError(RuntimeError):
+    """Base class of every error raised by mcore-compat."""
+
+
+class MegatronNotFoundError(McoreCompatError, ImportError):
+    """megatron-core is not importable."""
+
+
+class UnsupportedVersionError(McoreCompatError):
+    """The installed megatron-core is outside what mcore-compat supports, or a feature needs another version."""
+
+
+class SymbolUnavailableError(McoreCompatError, AttributeError):
+    """A symbol of the import surface does not exist in the installed megatron-core."""
+
+
+class PatchError(McoreCompatError):
+    """A runtime patch was asked for outside its versions, or failed its check."""

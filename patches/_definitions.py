@@ -1,0 +1,1 @@
+"""The registered patches (filled in by the CPU-harness work)."""
