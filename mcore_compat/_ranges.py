@@ -11,7 +11,7 @@ rc builds and source checkouts expect.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -37,7 +37,7 @@ def feature_version(version: str | Version) -> Version:
     return Version(parse_version(version).base_version)
 
 
-@lru_cache(maxsize=None)
+@cache
 def specifier(spec: str) -> SpecifierSet:
     """Parse a range string such as ``">=0.6,<0.10"`` (cached)."""
     try:

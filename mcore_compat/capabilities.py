@@ -8,8 +8,8 @@ the table cannot drift from the code it describes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from packaging.version import Version
 

@@ -1,0 +1,94 @@
+"""mcore-compat: one import surface over every Megatron-Core release (0.4.0 to 0.19.x).
+
+Import this instead of raw ``megatron.*``::
+
+    import mcore_compat as mc
+
+    mc.MCORE_VERSION                 # packaging.version.Version of the installed megatron-core
+    mc.detect()                      # version, where it came from, the path imported
+    mc.has("ddp_config")             # capability flags (data, not version comparisons)
+    mc.parallel_state, mc.mpu, mc.DistributedDataParallel, mc.TransformerConfig, ...  # lazily resolved
+    mc.print_rank_0("hello")         # rank-zero logging, before and after init_process_group
+
+Nothing in Megatron-Core is imported or patched by ``import mcore_compat``: symbols are resolved on first access,
+and runtime patches (``mcore_compat.patches``) are applied only when asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._version import __version__
+from .capabilities import capabilities, has
+from .detect import MegatronInfo, detect, refresh
+from .errors import (
+    McoreCompatError,
+    MegatronNotFoundError,
+    PatchError,
+    SymbolUnavailableError,
+    UnsupportedVersionError,
+)
+from .rank0 import get_rank, is_rank_0, log_rank_0, print_rank_0, warn_once_rank_0
+from .symbols import Unavailable, symbol_names
+
+if TYPE_CHECKING:  # pragma: no cover
+    from packaging.version import Version
+
+    MCORE_VERSION: Version
+
+__all__ = [
+    "MCORE_VERSION",
+    "McoreCompatError",
+    "MegatronInfo",
+    "MegatronNotFoundError",
+    "PatchError",
+    "SymbolUnavailableError",
+    "Unavailable",
+    "UnsupportedVersionError",
+    "__version__",
+    "capabilities",
+    "detect",
+    "get_rank",
+    "has",
+    "is_rank_0",
+    "log_rank_0",
+    "print_rank_0",
+    "refresh",
+    "symbol_names",
+    "warn_once_rank_0",
+]
+
+#: Public names provided by mcore_compat's own submodules, imported on first access.
+_LAZY_MODULE_ATTRS: dict[str, str] = {
+    "patches": "mcore_compat.patches",
+    "launch": "mcore_compat.launch",
+    "support": "mcore_compat.support",
+}
+#: Names re-exported from submodules on first access (module, attribute).
+_LAZY_ATTRS: dict[str, tuple[str, str]] = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MCORE_VERSION":
+        return detect().version
+    if name in _LAZY_MODULE_ATTRS:
+        module = importlib.import_module(_LAZY_MODULE_ATTRS[name])
+        globals()[name] = module
+        return module
+    if name in _LAZY_ATTRS:
+        mod, attr = _LAZY_ATTRS[name]
+        value = getattr(importlib.import_module(mod), attr)
+        globals()[name] = value
+        return value
+    if name in symbol_names():
+        from .symbols import resolve
+
+        value = resolve(name)
+        globals()[name] = value  # cache: later accesses skip __getattr__
+        return value
+    raise AttributeError(f"module 'mcore_compat' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | set(symbol_names()) | set(_LAZY_MODULE_ATTRS) | set(_LAZY_ATTRS))

@@ -1,0 +1,3 @@
+"""mcore-compat's own version."""
+
+__version__ = "0.1.0"

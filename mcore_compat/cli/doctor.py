@@ -1,0 +1,226 @@
+"""``mcore-compat doctor``: what is installed and what each capability, symbol and patch resolved to."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import importlib.util
+import json
+import platform
+import sys
+from typing import Any
+
+__all__ = ["add_parser", "collect", "render"]
+
+
+def add_parser(sub: Any) -> None:
+    """Register the ``doctor`` subcommand."""
+    p = sub.add_parser("doctor", help="show Python/torch/megatron-core/apex/TE, support status, capabilities, "
+                                      "symbols and applicable patches")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--probe", action="store_true",
+                   help="also import megatron.core and check every capability row against the real module "
+                        "(applies the CPU patches first when no GPU is present)")
+    p.add_argument("--expect-version", metavar="V",
+                   help="exit with status 1 unless the detected megatron-core is exactly version V")
+    p.set_defaults(func=run)
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def _package(module: str, *dists: str) -> dict[str, Any]:
+    present = importlib.util.find_spec(module) is not None
+    return {"present": present, "version": _dist_version(*dists) if present else None}
+
+
+def _torch() -> dict[str, Any]:
+    try:
+        import torch
+    except ImportError as exc:
+        return {"present": False, "error": str(exc)}
+    cuda = torch.cuda.is_available()
+    return {
+        "present": True,
+        "version": torch.__version__,
+        "cuda_build": torch.version.cuda,
+        "cuda_available": cuda,
+        "device_count": torch.cuda.device_count() if cuda else 0,
+        "distributed": torch.distributed.is_available(),
+    }
+
+
+def collect(probe: bool = False) -> dict[str, Any]:
+    """Gather the doctor report as a JSON-serialisable dict."""
+    from .. import __version__
+    from ..detect import detect
+    from ..errors import MegatronNotFoundError
+
+    report: dict[str, Any] = {
+        "mcore_compat": __version__,
+        "python": {"version": platform.python_version(), "executable": sys.executable},
+        "torch": _torch(),
+        "apex": _package("apex", "apex"),
+        "transformer_engine": _package("transformer_engine", "transformer-engine", "transformer_engine"),
+    }
+    try:
+        info = detect()
+    except MegatronNotFoundError as exc:
+        report["megatron_core"] = {"found": False, "error": str(exc)}
+        return report
+    report["megatron_core"] = {
+        "found": True,
+        "version": str(info.version),
+        "source": info.source,
+        "path": str(info.path),
+        "distribution": info.distribution,
+        "metadata_version": str(info.metadata_version) if info.metadata_version else None,
+        "checkout": info.checkout,
+        "warnings": list(info.warnings),
+    }
+    report["support"] = _support(info.version)
+    report["capabilities"] = _capabilities(info.version, probe)
+    report["symbols"] = _symbols(info.version)
+    report["patches"] = _patches(info.version)
+    return report
+
+
+def _support(version: Any) -> dict[str, Any]:
+    try:
+        from .. import support
+    except ImportError as exc:  # pragma: no cover
+        return {"error": f"support matrix unavailable: {exc}"}
+    status = support.status(version)
+    return status.as_dict() if hasattr(status, "as_dict") else dict(vars(status))
+
+
+def _capabilities(version: Any, probe: bool) -> list[dict[str, Any]]:
+    from ..capabilities import capabilities
+
+    rows = []
+    if probe:
+        _prepare_import()
+    for cap in capabilities():
+        row: dict[str, Any] = {"name": cap.name, "holds": cap.holds_for(version), "range": cap.range(),
+                               "description": cap.description}
+        if probe:
+            try:
+                row["probe"] = bool(cap.probe())
+            except Exception as exc:  # report, don't crash the doctor
+                row["probe"] = f"error: {type(exc).__name__}: {exc}"
+        rows.append(row)
+    return rows
+
+
+def _prepare_import() -> None:
+    import torch
+
+    from .. import patches
+
+    purposes = ["apex_less", "te_less"] + ([] if torch.cuda.is_available() else ["cpu"])
+    patches.apply_for(*purposes)
+
+
+def _symbols(version: Any) -> list[dict[str, Any]]:
+    from ..symbols import _table
+
+    rows = []
+    for name, sym in sorted(_table().items()):
+        loc = sym.location_for(version)
+        rows.append({"name": name, "location": loc.dotted() if loc else None,
+                     "available_in": sym.available_in()})
+    return rows
+
+
+def _patches(version: Any) -> list[dict[str, Any]]:
+    from .. import patches
+
+    rows = []
+    for p in patches.list_patches():
+        applies = p.applies_to(version)
+        needed: bool | None = None
+        if applies and p.needed_when is not None:
+            try:
+                needed = bool(p.needed_when())
+            except Exception:
+                needed = None
+        rows.append({"name": p.name, "purposes": list(p.purposes), "applies": applies, "versions": p.versions,
+                     "needed_here": needed if applies else False, "description": p.description})
+    return rows
+
+
+def render(report: dict[str, Any]) -> str:
+    """The human-readable table form of :func:`collect`'s report."""
+    out: list[str] = []
+    t = report["torch"]
+    out.append(f"mcore-compat       {report['mcore_compat']}")
+    out.append(f"python             {report['python']['version']} ({report['python']['executable']})")
+    if t.get("present"):
+        cuda = f"CUDA {t['cuda_build']}, {t['device_count']} GPU(s)" if t["cuda_available"] else (
+            f"CUDA build {t['cuda_build']}, no GPU" if t["cuda_build"] else "CPU build")
+        out.append(f"torch              {t['version']} ({cuda})")
+    else:
+        out.append(f"torch              MISSING ({t.get('error')})")
+    for key, label in (("apex", "apex"), ("transformer_engine", "TransformerEngine")):
+        pkg = report[key]
+        out.append(f"{label:<18} {pkg['version'] or 'present' if pkg['present'] else 'not installed'}")
+    m = report["megatron_core"]
+    if not m["found"]:
+        out.append(f"megatron-core      NOT FOUND: {m['error']}")
+        return "\n".join(out)
+    where = "source checkout (no metadata)" if m["checkout"] else f"distribution {m['distribution']}"
+    out.append(f"megatron-core      {m['version']} (from {m['source']}; {where})")
+    out.append(f"  imported from    {m['path']}")
+    for w in m["warnings"]:
+        out.append(f"  WARNING          {w}")
+    s = report.get("support", {})
+    if s:
+        out.append(f"support            {s.get('summary', s)}")
+    out.append("")
+    out.append("capabilities (table for this version" + (", probe of the real module)" if any(
+        "probe" in c for c in report["capabilities"]) else ")"))
+    for c in report["capabilities"]:
+        probe = ""
+        if "probe" in c:
+            probe = "  probe=" + (str(c["probe"]) if not isinstance(c["probe"], bool) else
+                                  ("agrees" if c["probe"] == c["holds"] else f"DISAGREES ({c['probe']})"))
+        out.append(f"  {'yes' if c['holds'] else 'no ':<4} {c['name']:<40} {c['range']}{probe}")
+    out.append("")
+    out.append("import surface (mcore_compat.<name>)")
+    for s_ in report["symbols"]:
+        out.append(f"  {s_['name']:<32} {s_['location'] or 'unavailable (exists in ' + s_['available_in'] + ')'}")
+    out.append("")
+    out.append("patches for this version (applied only on request)")
+    for p in report["patches"]:
+        if p["applies"]:
+            need = {True: "needed here", False: "not needed here", None: "when asked"}[p["needed_here"]]
+            out.append(f"  {p['name']:<22} [{', '.join(p['purposes'])}] {need}: {p['description']}")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``doctor``; exit status 0, or 1 if megatron-core is missing or not the expected version."""
+    report = collect(probe=args.probe)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(render(report))
+    m = report["megatron_core"]
+    if not m["found"]:
+        return 1
+    if args.expect_version and m["version"] != args.expect_version:
+        print(f"error: expected megatron-core {args.expect_version}, but {m['version']} is imported from "
+              f"{m['path']}", file=sys.stderr)
+        return 1
+    if args.probe and any(isinstance(c.get("probe"), bool) and c["probe"] != c["holds"]
+                          for c in report["capabilities"]):
+        print("error: some capability rows disagree with the installed module (see DISAGREES above)",
+              file=sys.stderr)
+        return 1
+    return 0
