@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -99,7 +100,9 @@ def _child(rank: int, world: int, port: int, job: _Job, results: Any) -> None:
     try:
         init_from_env(job.backend, job.device, job.timeout_s)
         value = job.fn(*job.args, **job.kwargs)
-        results.put((rank, "ok", value))
+        # Plain pickle (not torch's ForkingPickler): tensors travel by value, not as shared-memory handles that
+        # vanish when this process exits.
+        results.put((rank, "ok", pickle.dumps(value)))
         results.close()
         results.join_thread()
     except BaseException:
@@ -165,7 +168,10 @@ def spawn(
 
     def _take(item: tuple[int, str, Any]) -> None:
         rank, status, payload = item
-        (values if status == "ok" else failures)[rank] = payload
+        if status == "ok":
+            values[rank] = pickle.loads(payload)
+        else:
+            failures[rank] = payload
 
     try:
         while len(values) + len(failures) < nprocs and not failures:

@@ -31,7 +31,7 @@ def _rank_zero_hangs() -> int:
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
-        time.sleep(60)
+        time.sleep(600)
     return 1
 
 
@@ -57,9 +57,9 @@ def test_failure_names_the_rank_and_carries_its_traceback() -> None:
 def test_hang_ends_at_the_deadline_naming_the_rank() -> None:
     start = time.monotonic()
     with pytest.raises(RankTimeout) as err:
-        spawn(_rank_zero_hangs, 2, timeout=10)
+        spawn(_rank_zero_hangs, 2, timeout=45)  # generous: rank 1 must start torch even on a loaded machine
     assert err.value.ranks == [0]
-    assert time.monotonic() - start < 40
+    assert time.monotonic() - start < 90
 
 
 def test_dead_rank_is_reported_with_its_exit_status() -> None:
@@ -71,3 +71,14 @@ def test_dead_rank_is_reported_with_its_exit_status() -> None:
 def test_bad_world_size() -> None:
     with pytest.raises(ValueError, match="nprocs"):
         spawn(_all_reduce, 0)
+
+
+def _return_tensor() -> object:
+    import torch
+
+    return {"t": torch.arange(4.0) * (1 + __import__("torch.distributed").distributed.get_rank())}
+
+
+def test_tensors_come_back_by_value() -> None:
+    out = spawn(_return_tensor, 2, timeout=120)
+    assert [o["t"].tolist() for o in out] == [[0.0, 1.0, 2.0, 3.0], [0.0, 2.0, 4.0, 6.0]]
