@@ -34,7 +34,9 @@ class RankFailure(RuntimeError):
         self.failures = dict(sorted(failures.items()))
         first = next(iter(self.failures))
         ranks = ", ".join(str(r) for r in self.failures)
-        super().__init__(f"rank(s) {ranks} failed; rank {first}:\n{self.failures[first]}")
+        lines = [ln for ln in self.failures[first].strip().splitlines() if ln.strip()]
+        cause = lines[-1].strip() if lines else "no details"
+        super().__init__(f"rank(s) {ranks} failed: {cause}\n--- rank {first} ---\n{self.failures[first]}")
 
 
 class RankTimeout(RuntimeError):
