@@ -36,6 +36,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", metavar="PATH", type=Path, default=None, help="also write the report as JSON")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a hung run is stopped")
+    p.add_argument("--sweep", action="store_true",
+                   help="check DP=N and TP=N, distributed optimizer on and off, in one process group of --nproc "
+                        "ranks (what the test matrix runs on every release)")
     p.set_defaults(func=run)
 
 
@@ -48,15 +51,43 @@ def run(args: argparse.Namespace) -> int:
                             distributed_optimizer=args.distributed_optimizer, dtype=args.dtype, bind=args.bind,
                             device=args.device, model=args.model, steps=args.steps, lr=args.lr, seed=args.seed,
                             timeout=args.timeout)
+    from ..rank0 import is_rank_0
+
+    if args.sweep:
+        return _sweep(args, opts)
     try:
         report = run_selfcheck(opts)
     except UsageError as exc:
         print(f"mcore-compat self-check: error: {exc}", file=sys.stderr)
         return 2
-    from ..rank0 import is_rank_0
 
     if is_rank_0():
         print(report.render(), flush=True)
         if args.json is not None:
             args.json.write_text(report.to_json())
     return 0 if report.ok else 1
+
+
+def _sweep(args: argparse.Namespace, opts: Any) -> int:
+    import json
+    from dataclasses import replace
+
+    from ..selfcheck import UsageError, run_sweep, standard_sweep
+
+    nproc = args.nproc or 2
+    base = {k: v for k, v in opts.as_dict().items()
+            if k not in ("nproc", "tp", "pp", "dp", "distributed_optimizer", "fault")}
+    try:
+        configs = [replace(c, **{k: v for k, v in base.items() if k != "timeout"}) for c in standard_sweep(nproc)]
+        reports = run_sweep(configs, nproc, device=args.device, timeout=args.timeout)
+    except UsageError as exc:
+        print(f"mcore-compat self-check: error: {exc}", file=sys.stderr)
+        return 2
+    for r in reports:
+        print(r.render(), flush=True)
+        print()
+    bad = sum(not r.ok for r in reports)
+    print(f"self-check sweep: {'PASS' if not bad else 'FAIL'} ({len(reports) - bad}/{len(reports)} configurations)")
+    if args.json is not None:
+        args.json.write_text(json.dumps([json.loads(r.to_json()) for r in reports], indent=2))
+    return 0 if not bad else 1

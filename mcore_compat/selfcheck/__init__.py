@@ -8,8 +8,8 @@ installed) and a falling loss.
 
 from __future__ import annotations
 
-from .options import SelfCheckOptions, UsageError
+from .options import FAULTS, SelfCheckOptions, UsageError
 from .report import Check, Report
-from .runner import run
+from .runner import run, run_sweep, standard_sweep
 
-__all__ = ["Check", "Report", "SelfCheckOptions", "UsageError", "run"]
+__all__ = ["FAULTS", "Check", "Report", "SelfCheckOptions", "UsageError", "run", "run_sweep", "standard_sweep"]

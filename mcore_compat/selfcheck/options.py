@@ -6,7 +6,16 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["SelfCheckOptions", "UsageError"]
+__all__ = ["FAULTS", "SelfCheckOptions", "UsageError"]
+
+#: Deliberate faults the self-check can inject to prove that its checks catch them (negative controls).
+FAULTS = {
+    "rebind_after_optimizer": "param.data rebound to an outside flat buffer after the optimizer is built",
+    "rebind_before_optimizer": "param.data rebound to an outside flat buffer after DDP, before the optimizer",
+    "no_finalize_hook": "config.finalize_model_grads_func left unset (raw Megatron schedules skip it silently)",
+    "lr_zero": "the optimizer built with learning rate 0",
+    "perturb_dp_rank": "the last data-parallel rank's weights perturbed after the first step",
+}
 
 
 class UsageError(ValueError):
@@ -29,6 +38,7 @@ class SelfCheckOptions:
         lr: learning rate.
         seed: seed of init and data.
         timeout: seconds before a hung run is stopped (ranks named).
+        fault: a deliberate fault for negative controls (the checks must then FAIL): one of :data:`FAULTS`.
     """
 
     nproc: int | None = None
@@ -44,6 +54,7 @@ class SelfCheckOptions:
     lr: float = 1e-2
     seed: int = 1234
     timeout: float = 300.0
+    fault: str | None = None
 
     def world_size(self) -> int:
         """The world size these options run on."""
@@ -72,6 +83,8 @@ class SelfCheckOptions:
             raise UsageError(f"--model must be mlp or gpt, got {self.model!r}")
         if self.steps < 1:
             raise UsageError(f"--steps must be >= 1, got {self.steps}")
+        if self.fault is not None and self.fault not in FAULTS:
+            raise UsageError(f"unknown fault {self.fault!r}; known: {', '.join(FAULTS)}")
         if self.timeout <= 0:
             raise UsageError(f"--timeout must be > 0, got {self.timeout}")
         device = self.device

@@ -10,7 +10,7 @@ from ..launch import RankFailure, RankTimeout, spawn
 from .options import SelfCheckOptions
 from .report import Check, Report, merge_rank_checks
 
-__all__ = ["run"]
+__all__ = ["run", "run_sweep", "standard_sweep"]
 
 
 def _under_torchrun(opts: SelfCheckOptions) -> bool:
@@ -78,3 +78,71 @@ def run(options: SelfCheckOptions | None = None, **overrides: Any) -> Report:
     report.checks = merge_rank_checks([checks for checks, _ in per_rank])
     report.environment = per_rank[0][1]
     return report
+
+
+def _spawned_sweep(configs: list[SelfCheckOptions]) -> list[tuple[list[Check], dict[str, Any], str | None]]:
+    import traceback
+
+    import torch.distributed as dist
+
+    from .worker import run_rank
+
+    out: list[tuple[list[Check], dict[str, Any], str | None]] = []
+    for opts in configs:
+        try:
+            checks, env = run_rank(opts)
+            out.append((checks, env, None))
+        except Exception:
+            out.append(([], {}, traceback.format_exc()))
+            try:  # leave parallel_state clean for the next configuration
+                from .. import symbols
+
+                symbols.resolve("parallel_state").destroy_model_parallel()
+            except Exception:
+                pass
+        dist.barrier()
+    return out
+
+
+def run_sweep(configs: list[SelfCheckOptions], nproc: int, *, device: str | None = None,
+              timeout: float = 900.0) -> list[Report]:
+    """Run several self-check configurations inside ONE group of ``nproc`` spawned ranks.
+
+    Spawning processes and importing torch/Megatron dominate a small self-check, so the test matrix checks all
+    its configurations this way. Every configuration must fit the world size (``tp*pp*dp == nproc``).
+
+    Returns:
+        One :class:`Report` per configuration, in order. A configuration that raised on some rank gets
+        ``report.error`` set; a rank that dies or hangs fails every report of the sweep (named ranks).
+    """
+    from dataclasses import replace
+
+    resolved = [replace(c, nproc=nproc, device=device or c.device).resolved() for c in configs]
+    reports = [Report(settings={k: v for k, v in c.as_dict().items() if k != "timeout"}) for c in resolved]
+    try:
+        per_rank = spawn(_spawned_sweep, nproc, args=(resolved,), device=resolved[0].device or "cpu",
+                         timeout=timeout)
+    except (RankFailure, RankTimeout) as exc:
+        for r in reports:
+            r.error = str(exc)
+        return reports
+    for i, report in enumerate(reports):
+        errors = [(rank, res[i][2]) for rank, res in enumerate(per_rank) if res[i][2]]
+        if errors:
+            rank, tb = errors[0]
+            last = [ln for ln in (tb or "").strip().splitlines() if ln.strip()]
+            report.error = f"rank {rank}: {last[-1] if last else 'error'}\n{tb}"
+            continue
+        report.checks = merge_rank_checks([res[i][0] for res in per_rank])
+        report.environment = per_rank[0][i][1]
+    return reports
+
+
+def standard_sweep(nproc: int = 2, **common: Any) -> list[SelfCheckOptions]:
+    """The configurations the matrix checks on every release: DP=nproc and TP=nproc, distributed optimizer on
+    and off (``common`` sets the rest, e.g. ``dtype="bf16"``)."""
+    out = []
+    for tp in (1, nproc) if nproc > 1 else (1,):
+        for distopt in (True, False):
+            out.append(SelfCheckOptions(tp=tp, distributed_optimizer=distopt, **common))
+    return out

@@ -109,6 +109,21 @@ def _twin(module: Any, opts: SelfCheckOptions) -> Any:
     return twin
 
 
+def _rebind_outside(module: Any) -> None:
+    """The RL-framework pattern behind the frozen-weights bug: every ``param.data`` becomes a view of one
+    separately allocated flat buffer (values copied). Used only by the negative controls."""
+    import torch
+
+    params = list(_core(module).parameters())
+    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        flat[offset:offset + n].copy_(p.data.reshape(-1))
+        p.data = flat[offset:offset + n].view_as(p.data)
+        offset += n
+
+
 def _snapshot(module: Any) -> dict[str, Any]:
     return {n: p.detach().float().clone() for n, p in _core(module).named_parameters()}
 
@@ -159,7 +174,8 @@ def _buffer_alias_check(chunks: list[Any]) -> Check | None:
     """With a parameter buffer (0.6+ distributed optimizer): every param still lives at its buffer offset."""
     bad, total = [], 0
     for chunk in chunks:
-        buffers = list(getattr(chunk, "buffers", []) or []) + list(getattr(chunk, "expert_parallel_buffers", []) or [])
+        buffers = [b for attr in ("buffers", "expert_parallel_buffers")  # 0.4/0.5: `buffers` is nn.Module's method
+                   if isinstance(getattr(chunk, attr, None), (list, tuple)) for b in getattr(chunk, attr)]
         names = {p: n for n, p in _core(chunk).named_parameters()}
         for buf in buffers:
             data = getattr(buf, "param_data", None)
@@ -200,10 +216,17 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
     dtype = torch.bfloat16 if opts.dtype == "bf16" else torch.float32
     chunks = training.wrap_ddp([module], ddp_config=training.DDPConfig(
         use_distributed_optimizer=opts.distributed_optimizer, grad_reduce_in_fp32=opts.dtype == "bf16"))
+    if opts.fault == "rebind_before_optimizer":
+        _rebind_outside(chunks[0])
     optimizer = training.get_megatron_optimizer(training.OptimConfig(
-        optimizer="adam", lr=opts.lr, weight_decay=0.0, clip_grad=1.0, bf16=opts.dtype == "bf16",
-        params_dtype=dtype, use_distributed_optimizer=opts.distributed_optimizer), chunks)
+        optimizer="adam", lr=0.0 if opts.fault == "lr_zero" else opts.lr, weight_decay=0.0, clip_grad=1.0,
+        bf16=opts.dtype == "bf16", params_dtype=dtype, use_distributed_optimizer=opts.distributed_optimizer),
+        chunks)
     training.install_training_hooks(chunks, optimizer)
+    if opts.fault == "rebind_after_optimizer":
+        _rebind_outside(chunks[0])
+    if opts.fault == "no_finalize_hook":
+        symbols.resolve("get_model_config")(chunks[0]).finalize_model_grads_func = None
 
     checks: list[Check] = []
     cfg = symbols.resolve("get_model_config")(chunks[0])
@@ -225,8 +248,13 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
     for k in range(opts.steps):
         training.zero_grad_buffer(chunks, optimizer)
         stored = training.forward_backward(_forward_step(opts), iter(batches), chunks, MICROBATCHES,
-                                           seq_length=SEQ, micro_batch_size=MICRO_BATCH)
+                                           seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+                                           check_hooks=opts.fault != "no_finalize_hook")
         _ok, norm, _zeros = training.optimizer_step(optimizer)
+        if k == 0 and opts.fault == "perturb_dp_rank" and dp_rank == ps.get_data_parallel_world_size() - 1:
+            with torch.no_grad():
+                for p in _core(chunks[0]).parameters():
+                    p.add_(1e-3)
         norms.append(None if norm is None else float(norm))
         if last_stage:
             losses.append(sum(float(d["loss"]) for d in stored) / len(stored))

@@ -1,0 +1,65 @@
+"""The self-check against the installed release: the standard sweep passes, and every negative control FAILS
+naming the right check (one process group of 2 gloo ranks for all of it)."""
+
+from __future__ import annotations
+
+import pytest
+from packaging.version import Version
+
+from mcore_compat.selfcheck import Report, SelfCheckOptions, run_sweep, standard_sweep
+
+pytestmark = pytest.mark.mcore
+
+#: fault -> (configuration, checks that must fail, releases where the fault can exist)
+NEGATIVE = {
+    "rebind_after_optimizer": (dict(distributed_optimizer=True), {"all_params_changed", "params_in_ddp_buffer"},
+                               ">=0.6"),
+    "rebind_before_optimizer": (dict(distributed_optimizer=True), {"params_in_ddp_buffer"}, ">=0.6"),
+    "no_finalize_hook": (dict(distributed_optimizer=False),
+                         {"training_hooks_installed", "grad_norm_matches_reference"}, ">=0.4"),
+    "lr_zero": (dict(distributed_optimizer=False), {"all_params_changed", "update_matches_reference"}, ">=0.4"),
+    "perturb_dp_rank": (dict(distributed_optimizer=False), {"dp_ranks_identical"}, ">=0.4"),
+}
+
+
+def _installed() -> Version:
+    from mcore_compat import detect
+
+    return detect().version
+
+
+def _negatives() -> list[str]:
+    from mcore_compat._ranges import in_range
+
+    return [f for f, (_, _, spec) in NEGATIVE.items() if in_range(_installed(), spec)]
+
+
+@pytest.fixture(scope="module")
+def sweep() -> dict[str, Report]:
+    positive = standard_sweep(2, model="gpt", steps=2)
+    positive.append(SelfCheckOptions(tp=1, distributed_optimizer=True, dtype="bf16", model="gpt", steps=2))
+    negative = [SelfCheckOptions(tp=1, model="mlp", steps=2, fault=f, **NEGATIVE[f][0]) for f in _negatives()]
+    reports = run_sweep(positive + negative, 2, device="cpu", timeout=900)
+    names = [f"tp{c.tp or 1}-{'distopt' if c.distributed_optimizer else 'plain'}-{c.dtype}" for c in positive]
+    return dict(zip(names + [c.fault for c in negative], reports, strict=True))
+
+
+@pytest.mark.parametrize("name", ["tp1-distopt-fp32", "tp1-plain-fp32", "tp2-distopt-fp32", "tp2-plain-fp32",
+                                  "tp1-distopt-bf16"])
+def test_standard_configuration_passes(sweep: dict[str, Report], name: str) -> None:
+    report = sweep[name]
+    assert report.ok, report.render()
+    names = {c.name for c in report.checks}
+    assert {"all_params_changed", "update_matches_reference", "grad_norm_matches_reference",
+            "dp_ranks_identical", "training_hooks_installed"} <= names
+
+
+@pytest.mark.parametrize("fault", list(NEGATIVE))
+def test_negative_control_fails_the_right_check(sweep: dict[str, Report], fault: str) -> None:
+    if fault not in sweep:
+        pytest.skip(f"{fault} cannot happen on megatron-core {_installed()} (needs {NEGATIVE[fault][2]})")
+    report = sweep[fault]
+    assert report.error is None, report.error
+    failed = {c.name for c in report.failed()}
+    assert not report.ok
+    assert NEGATIVE[fault][1] <= failed, report.render()
