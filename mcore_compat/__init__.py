@@ -64,9 +64,16 @@ _LAZY_MODULE_ATTRS: dict[str, str] = {
     "patches": "mcore_compat.patches",
     "launch": "mcore_compat.launch",
     "support": "mcore_compat.support",
+    "training": "mcore_compat.training",
+    "selfcheck": "mcore_compat.selfcheck",
 }
 #: Names re-exported from submodules on first access (module, attribute).
-_LAZY_ATTRS: dict[str, tuple[str, str]] = {}
+_LAZY_ATTRS: dict[str, tuple[str, str]] = {
+    name: ("mcore_compat.training", name)
+    for name in ("DDPConfig", "OptimConfig", "wrap_ddp", "get_megatron_optimizer", "install_training_hooks",
+                 "check_training_hooks", "forward_backward", "optimizer_step", "zero_grad_buffer",
+                 "MissingTrainingHookError")
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -74,6 +74,7 @@ _ROWS: tuple[S, ...] = (
     S("ProcessGroupCollection",
       (L(">=0.15", "megatron.core.process_groups_config", "ProcessGroupCollection"),),
       "process groups passed explicitly (0.15+)"),
+    S("ModelType", (L(_ALL, "megatron.core.enums", "ModelType"),), "model type enum read by the schedules"),
     S("package_info", (L(_ALL, "megatron.core.package_info"),), "Megatron-Core's version constants"),
     S("get_gpt_layer_with_transformer_engine_spec",
       (L(_ALL, "megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_with_transformer_engine_spec"),),

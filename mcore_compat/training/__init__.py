@@ -1,0 +1,42 @@
+"""The training-step API: DDP, optimizer, hooks and schedules with one signature on every Megatron-Core release.
+
+::
+
+    from mcore_compat import training as mt
+
+    model = mt.wrap_ddp(model_chunks, ddp_config=mt.DDPConfig(use_distributed_optimizer=True))
+    opt = mt.get_megatron_optimizer(mt.OptimConfig(lr=1e-3, bf16=True, use_distributed_optimizer=True), model)
+    mt.install_training_hooks(model, opt)          # finalize_model_grads_func & co. on the real config
+    mt.zero_grad_buffer(model, opt)
+    losses = mt.forward_backward(forward_step, data_iter, model, num_microbatches=4)
+    ok, grad_norm, num_zeros = mt.optimizer_step(opt)
+"""
+
+from __future__ import annotations
+
+from .ddp import DDPConfig, ddp_config_of, wrap_ddp, zero_grad_buffer
+from .finalize import (
+    MissingTrainingHookError,
+    check_training_hooks,
+    finalize_model_grads,
+    install_training_hooks,
+)
+from .optimizer import OptimConfig, get_megatron_optimizer, optimizer_config_of, optimizer_step
+from .schedules import forward_backward, get_forward_backward_func
+
+__all__ = [
+    "DDPConfig",
+    "MissingTrainingHookError",
+    "OptimConfig",
+    "check_training_hooks",
+    "ddp_config_of",
+    "finalize_model_grads",
+    "forward_backward",
+    "get_forward_backward_func",
+    "get_megatron_optimizer",
+    "install_training_hooks",
+    "optimizer_config_of",
+    "optimizer_step",
+    "wrap_ddp",
+    "zero_grad_buffer",
+]

@@ -1,0 +1,93 @@
+"""Small helpers shared by the training-step modules (installed version, groups, configs)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+from packaging.version import Version
+
+from ..rank0 import warn_once_rank_0
+
+
+def installed_version() -> Version:
+    """The detected megatron-core release."""
+    from ..detect import detect
+
+    return detect().version
+
+
+def mcore(module: str) -> Any:
+    """Import ``megatron.core.<module>`` (``module=""`` for ``megatron.core`` itself)."""
+    return importlib.import_module(f"megatron.core.{module}" if module else "megatron.core")
+
+
+def parallel_state() -> Any:
+    """``megatron.core.parallel_state``."""
+    return mcore("parallel_state")
+
+
+def as_chunk_list(model: Any) -> tuple[list[Any], bool]:
+    """``(chunks, was_list)``: a module or a list/tuple of modules as a list."""
+    if isinstance(model, (list, tuple)):
+        return list(model), True
+    return [model], False
+
+
+def model_config(chunk: Any) -> Any:
+    """The config object a (possibly wrapped) model chunk really uses (Megatron's ``get_model_config``)."""
+    return mcore("utils").get_model_config(chunk)
+
+
+def group_ranks(group: Any) -> tuple[int, ...] | None:
+    """Global ranks of a process group (``None`` for ``None``)."""
+    if group is None:
+        return None
+    import torch.distributed as dist
+
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def same_group(a: Any, b: Any) -> bool:
+    """Whether two process groups contain the same global ranks (or are the same object)."""
+    return a is b or group_ranks(a) == group_ranks(b)
+
+
+def default_dp_group(*, gloo: bool = False) -> Any:
+    """parallel_state's data-parallel x context-parallel group (the one Megatron's DDP/optimizer use by default).
+
+    ``with_context_parallel`` is a keyword in every release (its position changed in 0.19), so keywords only.
+    """
+    ps = parallel_state()
+    getter = ps.get_data_parallel_group_gloo if gloo else ps.get_data_parallel_group
+    return getter(with_context_parallel=True)
+
+
+def drop_or_raise(name: str, value: Any, default: Any, version: Version, *, harmful: bool, why: str) -> None:
+    """Handle an argument the installed release cannot take.
+
+    ``value == default`` is dropped silently; otherwise a warning (once, rank 0) when ignoring it does not change
+    results, or :class:`~mcore_compat.errors.UnsupportedVersionError` when it would.
+    """
+    if value is default or value == default:
+        return
+    from ..errors import UnsupportedVersionError
+
+    if harmful:
+        raise UnsupportedVersionError(
+            f"`{name}={value!r}` cannot be honoured by megatron-core {version}: {why}. Ignoring it would change "
+            f"the results; remove it or use a release that supports it."
+        )
+    warn_once_rank_0(f"mcore_compat: `{name}={value!r}` has no effect on megatron-core {version} ({why}); ignored.")
+
+
+def unique(seq: Sequence[Any]) -> list[Any]:
+    """Items of ``seq`` without repeats (by identity), order kept."""
+    seen: set[int] = set()
+    out = []
+    for item in seq:
+        if id(item) not in seen:
+            seen.add(id(item))
+            out.append(item)
+    return out

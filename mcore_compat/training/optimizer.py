@@ -1,0 +1,449 @@
+"""One ``get_megatron_optimizer`` signature over every release, and ``optimizer_step``.
+
+The call is mapped onto the installed public builder (api-drift B.1) or, when the public builder cannot express
+it (``per_model_buffers``, explicit data-parallel groups, an instance id), onto the private
+``_get_megatron_optimizer_based_on_param_groups`` (its arguments drift at 0.8, 0.9, 0.10, 0.15, 0.16, 0.18).
+Releases 0.4/0.5 have no ``megatron.core.optimizer``; they are served by
+``mcore_compat.legacy_optimizer.build_legacy_optimizer``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from packaging.version import Version
+
+from ..errors import UnsupportedVersionError
+from ..rank0 import warn_once_rank_0
+from . import _tables as T
+from ._common import (
+    as_chunk_list,
+    default_dp_group,
+    drop_or_raise,
+    group_ranks,
+    installed_version,
+    mcore,
+    parallel_state,
+    same_group,
+)
+
+__all__ = ["OptimConfig", "get_megatron_optimizer", "optimizer_config_of", "optimizer_step"]
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer settings with the field names of Megatron's ``OptimizerConfig`` (0.6 baseline + later fields).
+
+    Translated to the installed ``OptimizerConfig`` by :func:`optimizer_config_of`: fields the release lacks are
+    dropped when at their default, warned about when they cannot change a step's result, refused otherwise.
+    ``params_dtype`` defaults to ``torch.float32`` (``None`` here so that importing needs no torch).
+    ``extra`` holds any other field of the installed ``OptimizerConfig`` (passed through; unknown ones raise).
+    """
+
+    optimizer: str = "adam"
+    lr: float | None = None
+    min_lr: float | None = None
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
+    weight_decay: float = 0.01
+    fp16: bool = False
+    bf16: bool = False
+    params_dtype: Any = None
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-08
+    sgd_momentum: float = 0.9
+    use_distributed_optimizer: bool = False
+    clip_grad: float = 1.0
+    log_num_zeros_in_grad: bool = False
+    barrier_with_L1_time: bool = False
+    decoupled_weight_decay: bool = True
+    overlap_param_gather_with_optimizer_step: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_any(cls, value: Any) -> OptimConfig:
+        """An :class:`OptimConfig` from an ``OptimConfig``, a mapping, or any dataclass (Megatron's config)."""
+        if isinstance(value, OptimConfig):
+            return dataclasses.replace(value, extra=dict(value.extra))
+        if isinstance(value, Mapping):
+            items = dict(value)
+            defaults: dict[str, Any] = {}
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            items = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
+            defaults = {f.name: f.default for f in dataclasses.fields(value)
+                        if f.default is not dataclasses.MISSING}
+        else:
+            raise TypeError(f"cannot use {type(value).__name__} as an optimizer config; pass an mcore_compat "
+                            f"OptimConfig, a dict, or Megatron's OptimizerConfig")
+        own = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        extra = dict(items.pop("extra", {}) or {})
+        extra.update({k: v for k, v in items.items()
+                      if k not in own and (k not in defaults or defaults[k] != v)})
+        # Megatron-internal bookkeeping fields (timers, set in __post_init__ ...) are not settings.
+        extra.pop("timers", None)
+        return cls(**{k: v for k, v in items.items() if k in own}, extra=extra)
+
+
+def _megatron_optimizer_config_class() -> Any:
+    return mcore("optimizer.optimizer_config").OptimizerConfig
+
+
+def optimizer_config_of(config: Any, version: Version | None = None) -> Any:
+    """The installed release's ``OptimizerConfig`` for ``config`` (0.6+).
+
+    An instance of the installed class is returned unchanged.
+    """
+    version = version or installed_version()
+    cls = _megatron_optimizer_config_class()
+    if isinstance(config, cls):
+        return config
+    cfg = OptimConfig.from_any(config)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    defaults = OptimConfig()
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(OptimConfig):
+        if f.name == "extra":
+            continue
+        value = getattr(cfg, f.name)
+        if f.name == "params_dtype" and value is None:
+            continue
+        if f.name in names:
+            kwargs[f.name] = value
+        else:
+            drop_or_raise(f.name, value, getattr(defaults, f.name), version,
+                          harmful=T.OPT_FIELD_IF_MISSING.get(f.name, "raise") == "raise",
+                          why=f"OptimizerConfig of this release has no field {f.name!r}")
+    unknown = sorted(set(cfg.extra) - names)
+    if unknown:
+        raise UnsupportedVersionError(
+            f"OptimizerConfig of megatron-core {version} has no field(s) {unknown}; remove them from "
+            f"OptimConfig.extra")
+    kwargs.update(cfg.extra)
+    return cls(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# parameter-group conditions -> 0.16+ config_overrides
+# ----------------------------------------------------------------------------------------------------------------
+
+def _conds_to_overrides(config: Any, no_weight_decay_cond: Callable | None, scale_lr_cond: Callable | None,
+                        lr_mult: float) -> Any:
+    """Translate the pre-0.16 ``no_weight_decay_cond/scale_lr_cond/lr_mult`` into 0.16+ ``config_overrides``.
+
+    Same grouping as the pre-0.16 ``_get_param_groups``: ``wd_mult=0`` where ``no_weight_decay_cond(name,
+    param)`` (default: biases and 1-D params), ``lr_mult`` where ``scale_lr_cond(name, param)``, decoupled LR for
+    embedding/output params when ``config.decoupled_lr`` is set.
+    """
+    opt = mcore("optimizer")
+    occ = mcore("optimizer.optimizer_config")
+    overrides = dict(opt.get_standard_config_overrides(config))
+    if no_weight_decay_cond is not None:
+        overrides = {k: v for k, v in overrides.items() if "wd_mult" not in v}
+        pred = occ.ParamWithNamePredicate(name="mcore_compat_no_weight_decay_cond",
+                                          fn=lambda param, name: bool(no_weight_decay_cond(name, param)))
+        overrides[occ.ParamKey(with_name_predicate=pred)] = {"wd_mult": 0.0}
+    if scale_lr_cond is not None and lr_mult != 1.0:
+        pred = occ.ParamWithNamePredicate(name="mcore_compat_scale_lr_cond",
+                                          fn=lambda param, name: bool(scale_lr_cond(name, param)))
+        overrides[occ.ParamKey(with_name_predicate=pred)] = {"lr_mult": lr_mult}
+    return overrides
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# public builder
+# ----------------------------------------------------------------------------------------------------------------
+
+def _public(version: Version, config: Any, chunks: list[Any], a: dict[str, Any]) -> Any:
+    accepted = T.lookup(T.PUBLIC_BUILDER_PARAMS, version, "get_megatron_optimizer")
+    kwargs: dict[str, Any] = {}
+    if "no_weight_decay_cond" in accepted:
+        if a["config_overrides"] is not None:
+            raise UnsupportedVersionError(f"config_overrides needs megatron-core 0.16+; installed {version}. Use "
+                                          f"no_weight_decay_cond/scale_lr_cond/lr_mult.")
+        kwargs.update(no_weight_decay_cond=a["no_weight_decay_cond"], scale_lr_cond=a["scale_lr_cond"],
+                      lr_mult=a["lr_mult"])
+    else:
+        if a["config_overrides"] is not None:
+            if a["no_weight_decay_cond"] is not None or a["scale_lr_cond"] is not None:
+                raise ValueError("pass config_overrides or no_weight_decay_cond/scale_lr_cond, not both")
+            kwargs["config_overrides"] = a["config_overrides"]
+        elif a["no_weight_decay_cond"] is not None or a["scale_lr_cond"] is not None:
+            kwargs["config_overrides"] = _conds_to_overrides(config, a["no_weight_decay_cond"],
+                                                             a["scale_lr_cond"], a["lr_mult"])
+    if "use_gloo_process_groups" in accepted:
+        kwargs["use_gloo_process_groups"] = a["use_gloo_process_groups"]
+    else:
+        drop_or_raise("use_gloo_process_groups", a["use_gloo_process_groups"], True, version, harmful=False,
+                      why="gloo groups are created by parallel_state and only used for checkpointing")
+    if "default_skip_embedding_weight_decay" in accepted:
+        kwargs["default_skip_embedding_weight_decay"] = a["default_skip_embedding_weight_decay"]
+    else:
+        drop_or_raise("default_skip_embedding_weight_decay", a["default_skip_embedding_weight_decay"], False,
+                      version, harmful=False,
+                      why="weight-decay multipliers only act through OptimizerParamScheduler")
+    if a["pg_collection"] is not None:
+        if "pg_collection" not in accepted:
+            raise UnsupportedVersionError(f"pg_collection needs megatron-core 0.15+; installed {version}")
+        kwargs["pg_collection"] = a["pg_collection"]
+    fn = mcore("optimizer").get_megatron_optimizer
+    return fn(config, chunks, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# private builder
+# ----------------------------------------------------------------------------------------------------------------
+
+def _param_groups(version: Version, config: Any, chunks: list[Any], a: dict[str, Any]) -> list[dict]:
+    opt = mcore("optimizer")
+    style = T.lookup(T.PARAM_GROUPS_STYLE, version, "_get_param_groups")
+    if style == "v16":
+        overrides = a["config_overrides"]
+        if overrides is None and (a["no_weight_decay_cond"] is not None or a["scale_lr_cond"] is not None):
+            overrides = _conds_to_overrides(config, a["no_weight_decay_cond"], a["scale_lr_cond"], a["lr_mult"])
+        return opt._get_param_groups(chunks, config, overrides)
+    if a["config_overrides"] is not None:
+        raise UnsupportedVersionError(f"config_overrides needs megatron-core 0.16+; installed {version}")
+    conds = (a["no_weight_decay_cond"], a["scale_lr_cond"], a["lr_mult"])
+    if style == "v6":
+        groups = opt._get_param_groups(chunks, *conds, use_decoupled_learning_rate=config.decoupled_lr is not None)
+        return opt._update_min_and_max_lr_in_param_groups(
+            groups, lr=config.lr, min_lr=config.min_lr, decoupled_lr=config.decoupled_lr,
+            decoupled_min_lr=config.decoupled_min_lr)
+    extra = {}
+    if T.lookup(T.PARAM_GROUPS_SKIP_EMBEDDING_WD, version, "_get_param_groups"):
+        extra["default_skip_embedding_weight_decay"] = a["default_skip_embedding_weight_decay"]
+    else:
+        drop_or_raise("default_skip_embedding_weight_decay", a["default_skip_embedding_weight_decay"], False,
+                      version, harmful=False, why="weight-decay multipliers only act through OptimizerParamScheduler")
+    return opt._get_param_groups(chunks, *conds, lr=config.lr, min_lr=config.min_lr,
+                                 decoupled_lr=config.decoupled_lr, decoupled_min_lr=config.decoupled_min_lr,
+                                 **extra)
+
+
+def _private(version: Version, config: Any, chunks: list[Any], a: dict[str, Any]) -> Any:
+    import torch.distributed as dist
+
+    ps = parallel_state()
+    accepted = set(T.lookup(T.PRIVATE_BUILDER_PARAMS, version, "_get_megatron_optimizer_based_on_param_groups"))
+    groups = _param_groups(version, config, chunks, a)
+    if any(g["is_expert_parallel"] and g["params"] for g in groups):
+        raise UnsupportedVersionError(
+            "mcore_compat's explicit-group/per_model_buffers path handles dense parameters only; this model has "
+            "expert-parallel parameters. Call without per_model_buffers/explicit groups to use Megatron's builder.")
+    groups = [g for g in groups if not g["is_expert_parallel"]]
+    buffers = a["per_model_buffers"]
+    if buffers is None:
+        buffers = {i: c.buffers for i, c in enumerate(chunks) if hasattr(c, "buffers")}
+    mp_group = ps.get_model_parallel_group()
+    explicit_dp = a["data_parallel_group"] is not None and not same_group(a["data_parallel_group"],
+                                                                          default_dp_group())
+    dp_group = a["data_parallel_group"] if a["data_parallel_group"] is not None else default_dp_group()
+    gloo = a["data_parallel_group_gloo"]
+    if gloo is None and a["use_gloo_process_groups"]:
+        if explicit_dp:
+            warn_once_rank_0("mcore_compat: explicit data_parallel_group without data_parallel_group_gloo: the "
+                             "distributed optimizer gets no gloo group (only its parameter-state checkpointing "
+                             "needs it).")
+        else:
+            gloo = default_dp_group(gloo=True)
+    idx = a["data_parallel_group_idx"]
+    if idx is None:
+        idx = dist.get_rank(mp_group)
+    kwargs: dict[str, Any] = {
+        "config": config, "model_chunks": chunks, "param_groups": groups, "per_model_buffers": buffers,
+        "model_parallel_group": mp_group, "data_parallel_group": dp_group, "data_parallel_group_gloo": gloo,
+        "data_parallel_group_idx": idx,
+    }
+    inst = a["distributed_optimizer_instance_id"]
+    if "distributed_optimizer_instance_id" in accepted:
+        kwargs["distributed_optimizer_instance_id"] = 0 if inst is None else inst
+    else:
+        drop_or_raise("distributed_optimizer_instance_id", inst or 0, 0, version, harmful=True,
+                      why="several distributed-optimizer instances exist from 0.10")
+    if config.use_distributed_optimizer:
+        kwargs.update(_grad_stats_group(version, dp_group, mp_group, explicit_dp, accepted))
+        _check_buffer_groups(buffers, dp_group)
+    if a["pg_collection"] is not None:
+        if "pg_collection" not in accepted:
+            raise UnsupportedVersionError(f"pg_collection is not taken by the optimizer builder of {version}")
+        kwargs["pg_collection"] = a["pg_collection"]
+    kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+    return mcore("optimizer")._get_megatron_optimizer_based_on_param_groups(**kwargs)
+
+
+def _grad_stats_group(version: Version, dp_group: Any, mp_group: Any, explicit_dp: bool,
+                      accepted: set[str]) -> dict[str, Any]:
+    """The DistributedOptimizer's grad-norm/num-zeros group: every rank holding a shard of one model replica."""
+    import torch.distributed as dist
+
+    ps = parallel_state()
+    passable = T.lookup(T.DISTOPT_GRAD_STATS_GROUP_PARAM, version, "grad stats group")
+    if not explicit_dp:
+        if passable and "intra_dist_opt_group" in accepted:
+            return {"intra_dist_opt_group": ps.get_intra_distributed_optimizer_instance_group()}
+        return {}
+    dp_size, mp_size = dist.get_world_size(dp_group), dist.get_world_size(mp_group)
+    if dp_size * mp_size == dist.get_world_size():
+        return {"intra_dist_opt_group": None} if passable else {}
+    if mp_size == 1 and passable:
+        return {"intra_dist_opt_group": dp_group}
+    raise UnsupportedVersionError(
+        f"distributed optimizer over an explicit data-parallel group of {dp_size} rank(s) (ranks "
+        f"{group_ranks(dp_group)}) x model-parallel size {mp_size} != world size {dist.get_world_size()}: "
+        f"megatron-core {version} reduces the grad norm over the whole world (its grad-stats group can be passed "
+        f"from 0.15, and only for model-parallel size 1 here), which would give a wrong norm and clipping.")
+
+
+def _check_buffer_groups(buffers: Mapping[int, Any], dp_group: Any) -> None:
+    for chunk_buffers in buffers.values():
+        for buf in chunk_buffers:
+            group = getattr(buf, "data_parallel_group", None)
+            if group is not None and not same_group(group, dp_group):
+                raise ValueError(
+                    f"the DDP buffers are sharded over ranks {group_ranks(group)} but the optimizer was given "
+                    f"data_parallel_group ranks {group_ranks(dp_group)}; they must be the same group")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# legacy (0.4/0.5)
+# ----------------------------------------------------------------------------------------------------------------
+
+def _legacy(version: Version, config: Any, chunks: list[Any], a: dict[str, Any]) -> Any:
+    try:
+        legacy = importlib.import_module("mcore_compat.legacy_optimizer")
+    except ImportError as exc:
+        raise UnsupportedVersionError(
+            f"megatron-core {version} has no megatron.core.optimizer and mcore_compat.legacy_optimizer is not "
+            f"available: {exc}") from exc
+    build = legacy.build_legacy_optimizer
+    params = inspect.signature(build).parameters  # our own module; its keyword set is not versioned data
+    takes_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    defaults = {"no_weight_decay_cond": None, "scale_lr_cond": None, "lr_mult": 1.0, "per_model_buffers": None,
+                "data_parallel_group": None, "data_parallel_group_gloo": None, "data_parallel_group_idx": None,
+                "distributed_optimizer_instance_id": None, "use_gloo_process_groups": True,
+                "default_skip_embedding_weight_decay": False, "config_overrides": None, "pg_collection": None}
+    kwargs = {}
+    for name, default in defaults.items():
+        value = a[name]
+        if name in params or takes_var_kw:
+            if value is not default:
+                kwargs[name] = value
+        else:
+            drop_or_raise(name, value, default, version,
+                          harmful=name not in ("use_gloo_process_groups", "default_skip_embedding_weight_decay",
+                                               "data_parallel_group_gloo", "per_model_buffers"),
+                          why="mcore_compat.legacy_optimizer does not take it")
+    return build(OptimConfig.from_any(config), chunks, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the one entry point
+# ----------------------------------------------------------------------------------------------------------------
+
+def get_megatron_optimizer(
+    config: Any,
+    model_chunks: Any,
+    *,
+    no_weight_decay_cond: Callable[[str, Any], bool] | None = None,
+    scale_lr_cond: Callable[[str, Any], bool] | None = None,
+    lr_mult: float = 1.0,
+    config_overrides: Any = None,
+    per_model_buffers: Mapping[int, list[Any]] | None = None,
+    data_parallel_group: Any = None,
+    data_parallel_group_gloo: Any = None,
+    data_parallel_group_idx: int | None = None,
+    distributed_optimizer_instance_id: int | None = None,
+    use_gloo_process_groups: bool = True,
+    default_skip_embedding_weight_decay: bool = False,
+    pg_collection: Any = None,
+) -> Any:
+    """Build Megatron's optimizer for DDP-wrapped ``model_chunks`` with one signature on every release.
+
+    Args:
+        config: :class:`OptimConfig`, a mapping of its fields, or Megatron's ``OptimizerConfig``.
+        model_chunks: the DDP-wrapped chunks (a single module is accepted).
+        no_weight_decay_cond, scale_lr_cond, lr_mult: the pre-0.16 parameter-group conditions
+            (``cond(name, param) -> bool``); translated to ``config_overrides`` on 0.16+.
+        config_overrides: 0.16+ ``{ParamKey: ParamGroupOverride}`` (raises before 0.16).
+        per_model_buffers: ``{chunk index: [buffers]}`` for the distributed optimizer (default: each chunk's
+            ``buffers``); giving it selects Megatron's private builder.
+        data_parallel_group, data_parallel_group_gloo, data_parallel_group_idx: explicit groups for the
+            distributed optimizer (private builder); a group equal to parallel_state's counts as not given.
+        distributed_optimizer_instance_id: 0.10+ (non-zero raises before).
+        use_gloo_process_groups: 0.12+ (``False`` is warned about and ignored before).
+        default_skip_embedding_weight_decay: 0.14/0.15 (warned about elsewhere; it only acts through the LR/WD
+            scheduler).
+        pg_collection: 0.15+ ``ProcessGroupCollection``.
+
+    Returns:
+        Megatron's optimizer (``step() -> (update_successful, grad_norm, num_zeros_in_grad)``); on 0.4/0.5 the
+        optimizer of ``mcore_compat.legacy_optimizer`` with the same interface.
+    """
+    version = installed_version()
+    chunks, _ = as_chunk_list(model_chunks)
+    args = dict(no_weight_decay_cond=no_weight_decay_cond, scale_lr_cond=scale_lr_cond, lr_mult=lr_mult,
+                config_overrides=config_overrides, per_model_buffers=per_model_buffers,
+                data_parallel_group=data_parallel_group, data_parallel_group_gloo=data_parallel_group_gloo,
+                data_parallel_group_idx=data_parallel_group_idx,
+                distributed_optimizer_instance_id=distributed_optimizer_instance_id,
+                use_gloo_process_groups=use_gloo_process_groups,
+                default_skip_embedding_weight_decay=default_skip_embedding_weight_decay,
+                pg_collection=pg_collection)
+    if T.lookup(T.OPTIMIZER_SOURCE, version, "optimizer") == "legacy":
+        return _legacy(version, config, chunks, args)
+    cfg = optimizer_config_of(config, version)
+    needs_private = (per_model_buffers is not None or data_parallel_group_gloo is not None
+                     or data_parallel_group_idx is not None or bool(distributed_optimizer_instance_id)
+                     or (data_parallel_group is not None
+                         and not same_group(data_parallel_group, default_dp_group())))
+    if needs_private:
+        return _private(version, cfg, chunks, args)
+    return _public(version, cfg, chunks, args)
+
+
+class _NullTimers:
+    """Stand-in for Megatron-LM's ``Timers`` for optimizers whose ``step`` wants one (0.4/0.5 tree)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _NullTimers:
+        return self
+
+    def start(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def stop(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def optimizer_step(optimizer: Any) -> tuple[bool, float | None, int | None]:
+    """Run one optimizer step and return ``(update_successful, grad_norm, num_zeros_in_grad)``.
+
+    Hides ``step(args, timers)`` (Megatron-LM 0.4/0.5 tree optimizers) vs ``step()`` (0.6+ and
+    mcore_compat's legacy optimizer). The grad norm is a Python float (or ``None`` when the release does not
+    compute it, e.g. ``clip_grad == 0`` on 0.6-0.11).
+    """
+    params = [p for p in inspect.signature(optimizer.step).parameters.values()
+              if p.default is inspect.Parameter.empty
+              and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if [p.name for p in params] == ["args", "timers"]:
+        result = optimizer.step(None, _NullTimers())
+    else:
+        result = optimizer.step()
+    if not isinstance(result, tuple):
+        result = (bool(result), None, None)
+    ok, norm, zeros = (*result, None, None, None)[:3]
+    if norm is not None and hasattr(norm, "item"):
+        norm = norm.item()
+    if zeros is not None and hasattr(zeros, "item"):
+        zeros = zeros.item()
+    return bool(ok), (None if norm is None else float(norm)), zeros

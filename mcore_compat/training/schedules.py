@@ -1,0 +1,124 @@
+"""``forward_backward``: Megatron's forward/backward schedules with one argument list on every release (B.7)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..errors import UnsupportedVersionError
+from ..rank0 import warn_once_rank_0
+from . import _tables as T
+from ._common import as_chunk_list, installed_version, mcore, model_config
+
+__all__ = ["forward_backward", "get_forward_backward_func"]
+
+#: Arguments that only tune speed/caching: dropped with a warning where the release lacks them.
+_HARMLESS = {"first_val_step", "adjust_tensor_shapes_fn"}
+
+
+def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None) -> Callable[..., Any]:
+    """Megatron's schedule for the given (default: parallel_state's) pipeline / virtual-pipeline sizes."""
+    version = installed_version()
+    accepted = T.lookup(T.GET_FWD_BWD_PARAMS, version, "get_forward_backward_func")
+    fn = mcore("pipeline_parallel.schedules").get_forward_backward_func
+    if "pp_size" in accepted:
+        return fn(pp_size=pp_size, vp_size=vp_size)
+    ps = mcore("parallel_state")
+    if pp_size is not None and pp_size != ps.get_pipeline_model_parallel_world_size():
+        raise UnsupportedVersionError(f"get_forward_backward_func(pp_size=...) needs megatron-core 0.16+; on "
+                                      f"{version} the schedule follows parallel_state's pipeline size")
+    if vp_size is not None and vp_size != ps.get_virtual_pipeline_model_parallel_world_size():
+        raise UnsupportedVersionError("get_forward_backward_func(vp_size=...) needs megatron-core 0.16+")
+    return fn()
+
+
+def forward_backward(
+    forward_step_func: Callable[..., Any],
+    data_iterator: Iterator[Any] | list[Iterator[Any]] | None,
+    model: Any,
+    num_microbatches: int,
+    *,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+    decoder_seq_length: int | None = None,
+    hidden_size: int | None = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: bool | None = None,
+    pp_size: int | None = None,
+    vp_size: int | None = None,
+    check_hooks: bool = True,
+    **schedule_kwargs: Any,
+) -> list[Any]:
+    """Run Megatron's forward/backward schedule over ``num_microbatches`` microbatches.
+
+    ``forward_step_func(data_iterator, model) -> (output_tensor, loss_func)``; ``loss_func(output)`` returns
+    ``(loss, {name: value})`` (or ``(loss, num_tokens, {...})`` on 0.7+ with ``calculate_per_token_loss``).
+    Put copies in the dict (``loss.detach().clone()``): 0.7+ divide the returned loss tensor by
+    ``num_microbatches`` in place, so a plain ``loss.detach()`` (same storage) reads 1/num_microbatches of the
+    loss there, but the full loss on 0.4-0.6.
+
+    Args:
+        seq_length, micro_batch_size, decoder_seq_length: needed (for the P2P tensor shapes) only when pipelining;
+            without pipelining they are unused by every release and default to 0.
+        hidden_size: the P2P tensor width; the schedules read ``config.hidden_size``, so a value given here
+            must agree with it (or is set on a config that has none).
+        forward_only, collect_non_loss_data: as in Megatron.
+        first_val_step: 0.5+ (ignored with a warning on 0.4; it only affects fp8 weight caching).
+        pp_size, vp_size: schedule selection (0.16+; must match parallel_state before).
+        check_hooks: refuse to train (``forward_only=False``) when ``finalize_model_grads_func`` is not set
+            (see :func:`~mcore_compat.training.check_training_hooks`).
+        **schedule_kwargs: release-specific extras (``adjust_tensor_shapes_fn``, ``pg_collection``,
+            ``grad_finalize_pgs``, ``force_all_reduce``, ``p2p_communicator``) passed where the release takes
+            them.
+
+    Returns:
+        The per-microbatch outputs of ``loss_func`` on the last pipeline stage (``forward_data_store``).
+    """
+    version = installed_version()
+    chunks, was_list = as_chunk_list(model)
+    if check_hooks and not forward_only:
+        from .finalize import check_training_hooks
+
+        check_training_hooks(chunks)
+    pipelined = mcore("parallel_state").get_pipeline_model_parallel_world_size() > 1 or (pp_size or 1) > 1
+    if pipelined and (seq_length is None or micro_batch_size is None):
+        raise ValueError("seq_length and micro_batch_size are required with pipeline parallelism")
+    if hidden_size is not None:
+        cfg = model_config(chunks[0])
+        current = getattr(cfg, "hidden_size", None)
+        if current is None:
+            cfg.hidden_size = hidden_size
+        elif current != hidden_size:
+            raise ValueError(f"hidden_size={hidden_size} disagrees with the model config's hidden_size={current}")
+    kwargs: dict[str, Any] = dict(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=chunks if (was_list or len(chunks) > 1) else chunks[0],
+        num_microbatches=num_microbatches,
+        seq_length=0 if seq_length is None else seq_length,
+        micro_batch_size=0 if micro_batch_size is None else micro_batch_size,
+        decoder_seq_length=decoder_seq_length,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+    )
+    extras = set(T.lookup(T.SCHEDULE_EXTRA_PARAMS, version, "forward_backward schedule"))
+    if first_val_step is not None:
+        schedule_kwargs["first_val_step"] = first_val_step
+    for name, value in schedule_kwargs.items():
+        if name == "grad_finalize_pgs" and "pg_collection" in extras:
+            name = "pg_collection"
+        elif name == "pg_collection" and "grad_finalize_pgs" in extras:
+            name = "grad_finalize_pgs"
+        if name in extras:
+            kwargs[name] = value
+        elif value is None or value is False:
+            continue
+        elif name in _HARMLESS:
+            warn_once_rank_0(f"mcore_compat: `{name}` is not taken by the schedules of megatron-core {version}; "
+                             f"ignored (it does not change results).")
+        else:
+            raise UnsupportedVersionError(f"`{name}` is not taken by the schedules of megatron-core {version}")
+    fn = get_forward_backward_func(pp_size, vp_size)
+    return fn(**kwargs)
+
