@@ -17,16 +17,6 @@ from typing import Any
 H, F, STEPS, MICROBATCHES = 16, 32, 5, 2
 
 
-def _model_type() -> Any:
-    import mcore_compat as mc
-
-    if "ModelType" in mc.symbol_names():
-        return mc.ModelType.encoder_or_decoder
-    import importlib  # until mcore_compat's import surface has ModelType (megatron.core.enums, every release)
-
-    return importlib.import_module("megatron.core.enums").ModelType.encoder_or_decoder
-
-
 def train(tp: int, distopt: bool, bf16: bool, device: str) -> list[float]:
     """Run on every rank; returns the losses of this rank."""
     from mcore_compat import patches
@@ -47,7 +37,7 @@ def train(tp: int, distopt: bool, bf16: bool, device: str) -> list[float]:
     class MLP(mc.MegatronModule):
         def __init__(self) -> None:
             super().__init__(config=config)
-            self.model_type = _model_type()
+            self.model_type = mc.ModelType.encoder_or_decoder
             init = torch.nn.init.xavier_normal_
             self.fc1 = mc.ColumnParallelLinear(H, F, config=config, init_method=init, bias=True,
                                                gather_output=False)
