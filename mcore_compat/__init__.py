@@ -74,6 +74,7 @@ _LAZY_ATTRS: dict[str, tuple[str, str]] = {
                  "check_training_hooks", "forward_backward", "optimizer_step", "zero_grad_buffer",
                  "MissingTrainingHookError")
 }
+_LAZY_ATTRS.update({name: ("mcore_compat.layout", name) for name in ("layout_of", "compute_layout", "ModelLayout")})
 
 
 def __getattr__(name: str) -> Any:
