@@ -1,0 +1,301 @@
+"""The support matrix (mcore_compat.support), the generated nox sessions and the CI script. No megatron needed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+from packaging.version import Version
+
+from mcore_compat import support
+from mcore_compat.support import Matrix, Release
+
+ROOT = Path(__file__).resolve().parents[1]
+MATRIX_DIR = ROOT / "matrix"
+
+#: The latest patch of each minor on PyPI when this was written (the earliest is always X.Y.0).
+_LATEST_PATCH = {"0.12": "0.12.3", "0.13": "0.13.1", "0.15": "0.15.3", "0.16": "0.16.1", "0.17": "0.17.1",
+                 "0.18": "0.18.2", "0.19": "0.19.2"}
+
+
+@pytest.fixture(scope="module")
+def source_matrix() -> Matrix:
+    """The matrix of this source tree (not the installed copy, which may be older)."""
+    return Matrix(MATRIX_DIR)
+
+
+@pytest.fixture(scope="module")
+def rels(source_matrix: Matrix) -> list[Release]:
+    return source_matrix.releases()
+
+
+def _by_version(rels: list[Release]) -> dict[str, Release]:
+    return {str(r.version): r for r in rels}
+
+
+# ------------------------------------------------------------------------------------------- versions.toml
+def test_releases_are_parsed_sorted_and_unique(rels: list[Release]) -> None:
+    versions = [r.version for r in rels]
+    assert versions == sorted(versions) and len(set(versions)) == len(versions)
+    assert all(isinstance(v, Version) for v in versions)
+    assert str(versions[0]) == "0.4.0" and str(versions[-1]) == "0.19.2"
+
+
+def test_installed_package_data_matches_the_source_tree(rels: list[Release]) -> None:
+    """The installed mcore_compat.matrix (or the source fallback) lists the same releases."""
+    assert [r.version for r in support.releases()] == [r.version for r in rels]
+
+
+@pytest.mark.parametrize("minor", range(4, 20))
+def test_every_minor_has_its_earliest_and_latest_patch(rels: list[Release], minor: int) -> None:
+    key = f"0.{minor}"
+    same = [r for r in rels if r.minor == key]
+    assert same, f"minor {key} is not listed"
+    assert str(same[0].version) == f"{key}.0", f"the earliest patch {key}.0 is not listed"
+    assert str(same[-1].version) == _LATEST_PATCH.get(key, f"{key}.0")
+    assert "min" in same[0].tags and "latest" in same[-1].tags
+    assert all("min" not in r.tags for r in same[1:]) and all("latest" not in r.tags for r in same[:-1])
+
+
+def test_python_and_tags(rels: list[Release]) -> None:
+    for r in rels:
+        want = "3.12" if r.version >= Version("0.17") else "3.11"
+        assert r.python == want, r.version
+        assert "cpu" in r.tags and ("py312" if want == "3.12" else "py311") in r.tags
+        assert r.session == f"mcore-{r.version}"
+    assert "oldest" in rels[0].tags and "newest" in rels[-1].tags
+    assert sum("oldest" in r.tags for r in rels) == 1 and sum("newest" in r.tags for r in rels) == 1
+
+
+def test_limits(rels: list[Release]) -> None:
+    for r in rels:
+        if Version("0.5") <= r.version < Version("0.9"):
+            assert r.setuptools == "<81", r.version
+        if Version("0.13") <= r.version < Version("0.16"):
+            assert r.numpy == "<2", r.version
+        if r.version >= Version("0.17"):
+            assert r.requires_python == ">=3.12", r.version
+    assert _by_version(rels)["0.16.1"].limits() == {"requires_python": ">=3.10", "torch": ">=2.6.0"}
+
+
+def test_0_4_0_is_unpacked_from_the_cp310_wheel(rels: list[Release]) -> None:
+    r = _by_version(rels)["0.4.0"]
+    assert r.install == "unpack-wheel" and r.wheel_python == "3.10"
+    assert all(x.install == "wheel" for x in rels[1:])
+
+
+def test_every_release_fits_its_base(source_matrix: Matrix, rels: list[Release]) -> None:
+    """What the noxfile checks at run time, checked against the base requirements' pins."""
+    for r in rels:
+        base = " ".join(source_matrix.base_requirements(r.python))
+        if r.numpy:
+            assert "numpy<2" in base, f"{r.version} needs numpy{r.numpy}, the {r.python} base has {base}"
+        if r.setuptools:
+            assert "setuptools<81" in base, f"{r.version} needs setuptools{r.setuptools}"
+
+
+def test_unmet_limits() -> None:
+    r = Release(version=Version("0.14.0"), python="3.11", requires_python=">=3.10", numpy="<2", torch=">=2.6")
+    assert r.unmet_limits("3.11.7", {"numpy": "1.26.4", "torch": "2.13.0+cpu"}) == []
+    problems = r.unmet_limits("3.9.1", {"numpy": "2.1.0", "torch": None})
+    assert len(problems) == 3 and any("numpy<2" in p and "2.1.0" in p for p in problems)
+
+
+def test_base_requirements() -> None:
+    reqs = support.base_requirements("3.11")
+    assert "numpy<2" in reqs and any(r.startswith("torch") for r in reqs)
+    assert support.base_requirements("3.11.7") == reqs == support.base_requirements("py311")
+    with pytest.raises(KeyError):
+        support.base_requirements("3.9")
+
+
+def test_bad_toml_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "versions.toml").write_text('[base."3.11"]\nrequirements = []\n[[release]]\nversion = "0.16.1"\n'
+                                            'python = "3.11"\nnumbpy = "<2"\n')
+    with pytest.raises(ValueError, match="unknown keys"):
+        Matrix(tmp_path).releases()
+
+
+# ------------------------------------------------------------------------------------------- status
+def test_status_of_a_listed_release() -> None:
+    st = support.status("0.16.1")
+    assert st.listed and st.level == "listed" and st.release is not None
+    assert "supported release" in st.summary()
+    assert json.loads(json.dumps(st.as_dict()))["listed"] is True
+
+
+@pytest.mark.parametrize(
+    ("version", "level", "older", "newer"),
+    [
+        ("0.20.0+abc", "newer", "0.19.2", None),
+        ("0.16.0rc1", "minor-listed", "0.15.3", "0.16.0"),
+        ("0.16.0.dev0", "minor-listed", "0.15.3", "0.16.0"),
+        ("0.3.0", "older", None, "0.4.0"),
+        ("0.12.1", "minor-listed", "0.12.0", "0.12.3"),
+        ("0.16.1+local", "local-build", "0.16.0", "0.17.0"),
+    ],
+)
+def test_status_of_unlisted_versions(version: str, level: str, older: str | None, newer: str | None) -> None:
+    st = support.status(version)
+    assert not st.listed and st.level == level, st.summary()
+    assert (str(st.nearest_older.version) if st.nearest_older else None) == older
+    assert (str(st.nearest_newer.version) if st.nearest_newer else None) == newer
+    assert st.newer_than_newest is (level == "newer") and st.older_than_oldest is (level == "older")
+    assert version in st.summary() and st.results == {}
+
+
+def test_status_names_the_minors_releases() -> None:
+    st = support.status("0.15.1")
+    assert [str(r.version) for r in st.minor_releases] == ["0.15.0", "0.15.3"] and "0.15.3" in st.summary()
+
+
+# ------------------------------------------------------------------------------------------- results + README
+def _copy_matrix(tmp_path: Path) -> Path:
+    target = tmp_path / "matrix"
+    target.mkdir()
+    (target / "versions.toml").write_text((MATRIX_DIR / "versions.toml").read_text())
+    return target
+
+
+def test_record_result_and_render(tmp_path: Path) -> None:
+    target = _copy_matrix(tmp_path)
+    entry = support.record_result("0.16.1", "cpu", {"result": "pass", "python": "3.11.7", "torch": "2.13.0",
+                                                    "passed": 12, "skipped": 1, "details": ""}, path=target)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", entry["date"])
+    support.record_result("0.4.0", "gpu", {"result": "fail", "date": "2025-01-02", "checks": {"ddp": "fail"},
+                                           "details": "x | y"}, path=target)
+    m = Matrix(target, results_dir=target)
+    assert m.results()["0.16.1"]["cpu"]["passed"] == 12
+    assert m.status("0.16.1").results["cpu"]["result"] == "pass"
+    assert list(json.loads((target / "results.json").read_text())["results"]) == ["0.4.0", "0.16.1"]
+    table = m.render_table()
+    assert f"pass ({entry['date']}): 12 passed, 1 skipped" in table and "fail (2025-01-02)" in table
+    assert m.write_readme().read_text() == table
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    (("0.20.0", "cpu", {"result": "pass"}), "not a listed release"),
+    (("0.16.1", "tpu", {"result": "pass"}), "kind must be"),
+    (("0.16.1", "cpu", {"result": "ok"}), "must be one of"),
+])
+def test_record_result_is_strict(tmp_path: Path, args: tuple[Any, ...], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        support.record_result(*args, path=_copy_matrix(tmp_path))
+
+
+def test_render_table_lists_every_version(rels: list[Release], source_matrix: Matrix) -> None:
+    table = source_matrix.render_table()
+    for r in rels:
+        assert re.search(rf"^\| {re.escape(str(r.version))} \|", table, re.M), r.version
+    assert "setuptools<81" in table and "numpy<2" in table and "python>=3.12" in table
+
+
+def test_committed_readme_is_up_to_date(source_matrix: Matrix) -> None:
+    readme = MATRIX_DIR / "README.md"
+    assert readme.read_text() == source_matrix.render_table(), (
+        "matrix/README.md is stale: run `python -m mcore_compat.support render`")
+
+
+def test_cli_status_and_render_check() -> None:
+    out = subprocess.run([sys.executable, "-m", "mcore_compat.support", "--matrix-dir", str(MATRIX_DIR),
+                          "status", "0.3.0", "--json"], capture_output=True, text=True)
+    assert out.returncode == 1 and json.loads(out.stdout)["level"] == "older"
+    out = subprocess.run([sys.executable, "-m", "mcore_compat.support", "--matrix-dir", str(MATRIX_DIR),
+                          "render", "--check"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+# ------------------------------------------------------------------------------------------- noxfile + CI
+def _load_noxfile_with(fake_nox: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    monkeypatch.setitem(sys.modules, "nox", fake_nox)
+    spec = importlib.util.spec_from_file_location("_noxfile_under_test", ROOT / "noxfile.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fake_nox() -> tuple[types.ModuleType, dict[str, dict[str, Any]]]:
+    """A stand-in for nox that records the sessions the noxfile declares."""
+    registered: dict[str, dict[str, Any]] = {}
+
+    def session(func: Any = None, /, **kwargs: Any) -> Any:
+        def register(f: Any) -> Any:
+            registered[kwargs.get("name") or f.__name__] = {"func": f, **kwargs}
+            return f
+        return register(func) if func is not None else register
+
+    fake = types.ModuleType("nox")
+    fake.session = session  # type: ignore[attr-defined]
+    fake.options = types.SimpleNamespace()  # type: ignore[attr-defined]
+    fake.Session = object  # type: ignore[attr-defined]
+    return fake, registered
+
+
+def test_nox_sessions_equal_the_releases(rels: list[Release], monkeypatch: pytest.MonkeyPatch) -> None:
+    fake, registered = _fake_nox()
+    _load_noxfile_with(fake, monkeypatch)
+    release_sessions = {n for n in registered if n.startswith("mcore-")}
+    assert release_sessions == {r.session for r in rels}
+    assert {"unit", "lint", "matrix"} <= set(registered)
+    for r in rels:
+        s = registered[r.session]
+        assert s["venv_backend"] == "none" and set(r.tags) <= set(s["tags"]), r.version
+
+
+def test_real_nox_lists_a_session_per_release(rels: list[Release]) -> None:
+    if importlib.util.find_spec("nox") is None:
+        pytest.skip("nox is not installed in this interpreter (the stand-in test covers the session list)")
+    out = subprocess.run([sys.executable, "-m", "nox", "-l", "-f", str(ROOT / "noxfile.py")], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    listed = set(re.findall(r"^[*-] (mcore-\S+)", out.stdout, re.M))
+    assert listed == {r.session for r in rels}
+
+
+def test_matrix_summary_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake, _ = _fake_nox()
+    nf = _load_noxfile_with(fake, monkeypatch)
+    results = [nf.JobResult("a", ok=True, passed=10, skipped=2), nf.JobResult("b", ok=False, failed=1, passed=3),
+               nf.JobResult("lint", ok=False, errors=1)]
+    assert nf._summary_line(results, 12.345) == "==== 1 failed, 13 passed, 2 skipped, 1 error in 12.35s ===="
+    assert nf._summary_line([], 1.0) == "==== no tests ran in 1.00s ===="
+
+
+def test_junit_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake, _ = _fake_nox()
+    nf = _load_noxfile_with(fake, monkeypatch)
+    xml = tmp_path / "j.xml"
+    xml.write_text('<testsuites><testsuite tests="5" failures="1" errors="1" skipped="1">'
+                   '<testcase classname="t.m" name="ok"/><testcase classname="t.m" name="bad"><failure/></testcase>'
+                   "</testsuite></testsuites>")
+    res = nf.JobResult("x")
+    nf._junit_counts(xml, res)
+    assert (res.passed, res.failed, res.errors, res.skipped) == (2, 1, 1, 1) and "t.m::bad" in res.details
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", text, re.S)
+    return [b.strip().removeprefix("$ ") for b in blocks]
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """.ci/run runs exactly README.md's second command (the test command)."""
+    if not (ROOT / "README.md").is_file():
+        pytest.skip("no README.md")
+    commands = _readme_commands()
+    assert len(commands) >= 2, "README.md should open with the install command and the test command"
+    ci = (ROOT / ".ci" / "run").read_text()
+    marked = re.search(r"^# README test command.*\n(.*)$", ci, re.M)
+    assert marked, ".ci/run should mark the README test command with '# README test command'"
+    assert marked.group(1).strip() == commands[1]
+    assert "nox -s matrix" in commands[1]
