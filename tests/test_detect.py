@@ -63,6 +63,8 @@ def syspath(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     detect_mod.refresh()
     detect_mod._WARNED.clear()
     yield sys.path
+    for mod in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
+        del sys.modules[mod]  # fake trees imported by a test must not leak into later tests
     detect_mod.refresh()
 
 
