@@ -19,9 +19,9 @@ from ._registry import (
     PURPOSES,
     Patch,
     applicable,
+    applied,
     apply,
     apply_for,
-    applied,
     get,
     list_patches,
     patched,
@@ -46,4 +46,4 @@ __all__ = [
 ]
 
 # Importing the modules registers their patches.
-from . import _definitions  # noqa: E402,F401
+from . import _definitions  # noqa: F401

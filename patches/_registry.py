@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable
 
 from packaging.version import Version
 
@@ -129,16 +128,25 @@ def apply(name: str, version: Version | str | None = None) -> bool:
 def apply_for(*purposes: str, version: Version | str | None = None) -> list[str]:
     """Apply every patch of ``purposes`` that applies to ``version`` and is needed here.
 
+    All or nothing: if one of them is refused, the ones this call already applied are reverted before the
+    error propagates.
+
     Returns:
         The names applied by this call, in order.
     """
     ver = _version(version)
     done: list[str] = []
-    for patch in applicable(*purposes, version=ver):
-        if patch.needed_when is not None and not patch.needed_when():
-            continue
-        if apply(patch.name, ver):
-            done.append(patch.name)
+    try:
+        for patch in applicable(*purposes, version=ver):
+            if patch.needed_when is not None and not patch.needed_when():
+                continue
+            if apply(patch.name, ver):
+                done.append(patch.name)
+    except BaseException:
+        for name in reversed(done):
+            if name in _APPLIED:
+                revert(name)
+        raise
     return done
 
 

@@ -1,0 +1,125 @@
+"""Patches of purpose ``"upstream_bug"``: Megatron-Core bugs that are not specific to CPU (they hit GPU users
+without TransformerEngine as well). Both patch a Megatron module when it is imported (or at once, if it is), so
+they may be applied before ``import megatron.core`` together with the stubs.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+from ._registry import Patch, register
+from ._tools import Changes, Undo, core_source, skipped, when_imported
+
+
+# ------------------------------------------------------------------------------------------ fp32opt_abstract
+def _fp32_sharded_state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
+    raise NotImplementedError(
+        "megatron-core 0.6.0's FP32Optimizer has no sharded_state_dict (upstream bug, fixed in 0.7.0); "
+        "mcore-compat made the class instantiable, but distributed checkpointing of it is not available"
+    )
+
+
+def _patch_fp32_optimizer(module: types.ModuleType) -> Undo:
+    cls = getattr(module, "FP32Optimizer", None)
+    if cls is None:
+        return skipped("fp32opt_abstract", f"{module.__name__} has no FP32Optimizer")
+    abstract = frozenset(getattr(cls, "__abstractmethods__", frozenset()))
+    if "sharded_state_dict" not in abstract:
+        return skipped("fp32opt_abstract", "FP32Optimizer.sharded_state_dict is not abstract (already fixed?)")
+    changes = Changes()
+    changes.setattr(cls, "sharded_state_dict", _fp32_sharded_state_dict)
+    changes.setattr(cls, "__abstractmethods__", abstract - {"sharded_state_dict"})
+    return changes.undo
+
+
+def _apply_fp32opt_abstract() -> Undo:
+    return when_imported("megatron.core.optimizer.optimizer", _patch_fp32_optimizer)
+
+
+def _check_fp32opt_abstract() -> str | None:
+    mod = sys.modules.get("megatron.core.optimizer.optimizer")
+    if mod is not None:
+        cls = getattr(mod, "FP32Optimizer", None)
+        if cls is None or "sharded_state_dict" not in getattr(cls, "__abstractmethods__", ()):
+            return "FP32Optimizer is missing or its sharded_state_dict is not abstract"
+        return None
+    src = core_source("optimizer/optimizer.py")
+    if src is None or "class FP32Optimizer" not in src:
+        return "megatron/core/optimizer/optimizer.py with class FP32Optimizer not found"
+    return None
+
+
+register(
+    Patch(
+        name="fp32opt_abstract",
+        versions=">=0.6,<0.7",
+        purposes=("upstream_bug", "cpu"),
+        description=(
+            "0.6.0: FP32Optimizer does not implement the abstract MegatronOptimizer.sharded_state_dict, so "
+            "get_megatron_optimizer with fp32 params and use_distributed_optimizer=False raises "
+            "\"TypeError: Can't instantiate abstract class FP32Optimizer ...\". Gives it a sharded_state_dict "
+            "that raises NotImplementedError (fixed upstream in 0.7.0)."
+        ),
+        apply_fn=_apply_fp32opt_abstract,
+        check_fn=_check_fp32opt_abstract,
+    )
+)
+
+
+# ------------------------------------------------------------------------------------------------- fp8_noop
+def _patch_fp8_utils(module: types.ModuleType) -> Undo:
+    impl = getattr(module, "_quantize_param_shard_impl", None)
+    if impl is None:
+        return skipped("fp8_noop", f"{module.__name__} has no _quantize_param_shard_impl")
+
+    def _quantize_param_shard_impl(model_params: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(model_params) == 0:
+            return None
+        return impl(model_params, *args, **kwargs)
+
+    changes = Changes()
+    changes.setattr(module, "_quantize_param_shard_impl", _quantize_param_shard_impl)
+    return changes.undo
+
+
+def _apply_fp8_noop() -> Undo:
+    return when_imported("megatron.core.fp8_utils", _patch_fp8_utils)
+
+
+def _check_fp8_noop() -> str | None:
+    mod = sys.modules.get("megatron.core.fp8_utils")
+    if mod is not None:
+        return None if hasattr(mod, "_quantize_param_shard_impl") else "fp8_utils has no _quantize_param_shard_impl"
+    src = core_source("fp8_utils.py")
+    if src is None or "_quantize_param_shard_impl" not in src:
+        return "megatron/core/fp8_utils.py with _quantize_param_shard_impl not found"
+    return None
+
+
+def _te_missing() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("transformer_engine") is None
+    except (ImportError, ValueError):
+        return True
+
+
+register(
+    Patch(
+        name="fp8_noop",
+        versions=">=0.12,<0.13",
+        purposes=("upstream_bug", "cpu"),
+        description=(
+            "0.12.x without TransformerEngine: DistributedOptimizer.step() always calls "
+            "fp8_utils.quantize_param_shard, whose no-TE fallback raises 'RuntimeError: Invalid Transformer "
+            "Engine version for FP8 distributed optimizer' even for an empty list of FP8 params. Makes the "
+            "empty call a no-op (what 0.13 does)."
+        ),
+        apply_fn=_apply_fp8_noop,
+        check_fn=_check_fp8_noop,
+        needed_when=_te_missing,
+    )
+)
