@@ -36,6 +36,8 @@ def _snapshot() -> dict[str, object]:
 
     return {
         "current_device": torch.cuda.current_device,
+        "synchronize": torch.cuda.synchronize,
+        "current_stream": torch.cuda.current_stream,
         "get_rng_state": torch.cuda.get_rng_state,
         "set_rng_state": torch.cuda.set_rng_state,
         "manual_seed": torch.cuda.manual_seed,
@@ -285,7 +287,7 @@ def test_apply_for_order_and_idempotence() -> None:
     stubs = [n for n, pkg in (("apex", "apex"), ("te_stub", "transformer_engine")) if not importlib.util.find_spec(pkg)]
     first = patches.apply_for("cpu", version="0.7.0")
     # tensor_cuda is skipped: cuda_factory covers Tensor.cuda(); cuda_arch_env is 0.15 only.
-    expected = ["cuda_device", "cuda_factory", "tensor_type", "rng", *stubs]
+    expected = ["cuda_device", "cuda_factory", "tensor_type", "rng", "cuda_sync", *stubs]
     assert first == expected
     assert patches.applied() == first
     assert patches.apply_for("cpu", version="0.7.0") == []  # second call: nothing new
@@ -298,7 +300,7 @@ def test_apply_for_order_and_idempotence() -> None:
 def test_patched_context_manager_reverts() -> None:
     before = _snapshot()
     with patches.patched("cpu", version="0.10.0") as names:
-        assert names == ["cuda_device", "cuda_factory", "tensor_type", "rng"]
+        assert names == ["cuda_device", "cuda_factory", "tensor_type", "rng", "cuda_sync"]
         assert torch.cuda.current_device() == "cpu"
     assert patches.applied() == []
     assert _snapshot() == before
