@@ -59,6 +59,21 @@ __all__ = [
     "warn_once_rank_0",
 ]
 
+
+def _source_checkout_path() -> None:
+    """In a source checkout (not installed), find ``patches/`` and ``matrix/`` the way the installed package has
+    them (``mcore_compat.patches``, ``mcore_compat.matrix``): pyproject maps those top-level folders into it."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    root = here.parent
+    if not (here / "patches").is_dir() and (root / "patches" / "__init__.py").is_file() \
+            and (root / "pyproject.toml").is_file():
+        __path__.append(str(root))
+
+
+_source_checkout_path()
+
 #: Public names provided by mcore_compat's own submodules, imported on first access.
 _LAZY_MODULE_ATTRS: dict[str, str] = {
     "patches": "mcore_compat.patches",
