@@ -1,0 +1,215 @@
+"""Parameter binding (issue 4 items 3-6): ``bind_params``, ``verify``, views/manifest, ``gather_pipeline``, ``unbind``.
+
+ONE module-scoped ``spawn(run_all, 2)`` runs every configuration (tests/_binding_scenarios.py) in one gloo group;
+the tests below only assert. Unit tests (no megatron-core) cover the manifest and the error texts.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from mcore_compat._ranges import in_range
+from mcore_compat.binding import BindingError, Manifest, ManifestBuffer, ManifestEntry, bind_params
+from mcore_compat.errors import McoreCompatError
+
+SCENARIOS = pytest.importorskip("_binding_scenarios")
+
+BIND_STEP_CASES = [n for n in SCENARIOS.CASE_NAMES if n.startswith("bind-")]
+FAULT_CASES = [n for n in SCENARIOS.CASE_NAMES if n.startswith("faults-")]
+CHUNK_CASES = [n for n in SCENARIOS.CASE_NAMES if n.startswith("two-chunks-")]
+#: Releases whose DistributedDataParallelConfig has reuse_grad_buf_for_mxfp8_param_ag.
+MXFP8_FLAG_RELEASES = ">=0.13"
+UNBIND_CASES = [n for n in SCENARIOS.CASE_NAMES if n.startswith("unbind-")]
+PIPELINE_CASES = [n for n in SCENARIOS.CASE_NAMES if n.startswith("pipeline-")]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# unit tests (no megatron-core needed)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _manifest() -> Manifest:
+    return Manifest(
+        buffers=(ManifestBuffer(0, 0, "chunk0/bfloat16->float32/dense", "bfloat16", 40, True),
+                 ManifestBuffer(1, 0, "chunk0/float32->float32/dense", "float32", 6, False)),
+        params=(ManifestEntry("w", 0, 0, 8, (4, 8), "bfloat16"), ManifestEntry("b", 0, 0, 0, (4,), "bfloat16"),
+                ManifestEntry("scale", 0, 1, 0, (2, 3), "float32")),
+        version="0.16.1",
+    )
+
+
+@pytest.mark.unit
+def test_manifest_json_round_trip() -> None:
+    m = _manifest()
+    text = m.to_json()
+    assert json.loads(text)["params"][0]["shape"] == [4, 8]
+    assert Manifest.from_json(text) == m
+    assert Manifest.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    assert m.params[0].numel == 32 and m.buffers[0].torch_dtype is torch.bfloat16
+
+
+@pytest.mark.unit
+def test_manifest_views_slice_buffers_and_check_them() -> None:
+    m = _manifest()
+    flats = [torch.arange(40, dtype=torch.bfloat16), torch.arange(6, dtype=torch.float32)]
+    views = m.views(flats)
+    assert list(views) == ["w", "b", "scale"]
+    assert views["b"].tolist() == [0, 1, 2, 3] and views["w"].shape == (4, 8) and views["w"][0, 0] == 8
+    assert views["scale"].data_ptr() == flats[1].data_ptr()
+    with pytest.raises(BindingError, match="expected 6 x float32"):
+        m.views([flats[0], torch.zeros(7)])
+    with pytest.raises(BindingError, match="2 flat buffer"):
+        m.views(flats[:1])
+
+
+@pytest.mark.unit
+def test_manifest_rejects_other_formats_and_malformed_data() -> None:
+    data = _manifest().to_dict()
+    with pytest.raises(BindingError, match="format 99"):
+        Manifest.from_dict({**data, "format": 99})
+    with pytest.raises(BindingError, match="malformed"):
+        Manifest.from_dict({**data, "params": [{"name": "x"}]})
+
+
+@pytest.mark.unit
+def test_unwrapped_model_is_refused_with_what_to_do() -> None:
+    with pytest.raises(BindingError, match="not wrapped in Megatron-Core's DistributedDataParallel") as info:
+        bind_params([torch.nn.Linear(2, 2)])
+    assert "wrap_ddp" in str(info.value)
+    assert isinstance(info.value, McoreCompatError)
+    with pytest.raises(BindingError, match="at least one"):
+        bind_params([])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# against the installed release: one spawn for everything
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, Any]:
+    from mcore_compat.launch import spawn
+
+    per_rank = spawn(SCENARIOS.run_all, 2, timeout=300)
+    return {"version": per_rank[0]["version"], "ranks": [r["cases"] for r in per_rank]}
+
+
+def _get(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    per_rank = [r[name] for r in results["ranks"]]
+    for rank, r in enumerate(per_rank):
+        if r["status"] == "error":
+            pytest.fail(f"{name} on rank {rank} ({results['version']}) raised:\n{r['error']}")
+    return per_rank
+
+
+def _has_param_buffer(version: str) -> bool:
+    from mcore_compat.layout import layout_fact
+
+    return bool(layout_fact("param_data_with_distopt", version))
+
+
+@pytest.mark.mcore
+def test_raw_rebind_after_optimizer_loses_every_update(results: dict[str, Any]) -> None:
+    """The bug, reproduced with raw Megatron (0.6+, distributed optimizer, DP=2): after an outside rebind of
+    param.data the step goes into DDP's param buffer and no parameter seen through the model changes."""
+    per_rank = _get(results, "raw-rebind-distopt")
+    if not _has_param_buffer(results["version"]):
+        assert all(r["status"] == "n/a" for r in per_rank)
+        pytest.skip(f"megatron-core {results['version']} has no DDP param buffer (the bug cannot arise)")
+    for r in per_rank:
+        assert r["update_successful"] and r["param_data_changed"]
+        assert sum(r["changed"].values()) == 0, r["changed"]
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", BIND_STEP_CASES)
+def test_bound_params_train_and_buffers_show_them(results: dict[str, Any], name: str) -> None:
+    per_rank = _get(results, name)
+    expected_mode = "zero_copy" if "distopt" in name and _has_param_buffer(results["version"]) else "allocated"
+    for r in per_rank:
+        assert r["mode"] == expected_mode
+        assert r["update_successful"]
+        assert all(r["changed"].values()), f"parameters that did not move: {r['changed']}"
+        assert r["buffer_matches_model"]
+        assert r["verify_error"] is None, r["verify_error"]
+    assert per_rank[0]["params"] == per_rank[1]["params"], "DP ranks disagree"
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", FAULT_CASES)
+def test_verify_names_each_broken_parameter(results: dict[str, Any], name: str) -> None:
+    for r in _get(results, name):
+        assert r["clean"] is None and r["restored"] is None
+        assert "fc1.bias: rebound outside" in r["outside"] and "1 of 4" in r["outside"]
+        assert "fc2.bias: at offset" in r["moved"] and "1 of 4" in r["moved"]
+        swapped = r["swapped"]
+        assert "2 of 4" in swapped
+        assert "fc1.weight: at offset" in swapped and "the place of fc2.weight" in swapped
+        assert "fc2.weight: at offset" in swapped and "the place of fc1.weight" in swapped
+        assert "fc1.bias: replaced by a new Parameter" in r["replaced"]
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", UNBIND_CASES)
+def test_unbind_preserves_weights_and_state_dict(results: dict[str, Any], name: str) -> None:
+    for r in _get(results, name):
+        assert r["trained"] and not r["bound_after_exit"]
+        assert r["weights_preserved"] and not r["moved_by_unbind"]
+        assert r["state_dict_diff"] == [] and r["state_dict_round_trip_diff"] == []
+        assert r["bound_load_verify"] is None and r["bound_load_diff"] == []
+        assert r["after_unbind_error"] is not None and "unbound" in r["after_unbind_error"]
+        assert r["trains_after_unbind"]
+        if r["mode"] == "allocated":
+            assert r["private_storage"] and r["still_in_flat_buffers"] == []
+        else:  # zero-copy: nothing was rebound, the params stay in Megatron's param_data
+            assert r["mode"] == "zero_copy" and len(r["still_in_flat_buffers"]) == 4
+
+
+@pytest.mark.mcore
+def test_refusals(results: dict[str, Any]) -> None:
+    for r in _get(results, "refusals"):
+        assert r["not_wrapped"] is not None and "wrap_ddp" in r["not_wrapped"]
+        if in_range(results["version"], MXFP8_FLAG_RELEASES):
+            assert r["mxfp8"] is not None and "reuse_grad_buf_for_mxfp8_param_ag" in r["mxfp8"]
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", PIPELINE_CASES)
+def test_gather_pipeline_returns_every_stage_with_one_collective_per_buffer(results: dict[str, Any],
+                                                                            name: str) -> None:
+    per_rank = _get(results, name)
+    assert sorted(r["stage"] for r in per_rank) == [0, 1]
+    n_buffers = sum(per_rank[0]["flats_per_stage"])
+    for r in per_rank:
+        assert all(r["changed"].values()), r["changed"]
+        assert r["all_equal"] and r["again_equal"], (r["keys"], r["expected_keys"])
+        assert r["keys"] == r["expected_keys"]
+        assert r["bad_dst"] is not None and "dst=2" in r["bad_dst"]
+        assert r["calls_all"] == {"all_gather_object": 1, "broadcast": n_buffers}
+        assert r["calls_again"] == {"broadcast": n_buffers}, "the manifest exchange must be cached"
+        mine = r["flats_per_stage"][r["stage"]]
+        other = n_buffers - mine
+        if r["stage"] == 0:  # dst=0
+            assert r["dst_keys"] == r["expected_keys"] and r["dst_equal"]
+            assert r["calls_dst"] == {"recv": other}
+        else:
+            assert r["dst_keys"] == [] and r["dst_equal"] is None
+            assert r["calls_dst"] == {"send": mine}
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", CHUNK_CASES)
+def test_several_chunks_frozen_params_and_dtype_filter(results: dict[str, Any], name: str) -> None:
+    expected_mode = "zero_copy" if "distopt" in name and _has_param_buffer(results["version"]) else "allocated"
+    per_rank = _get(results, name)
+    for r in per_rank:
+        assert r["mode"] == expected_mode and r["update_successful"]
+        assert r["names"] == [f"chunk{c}.{n}" for c in (0, 1) for n in ("fc1.weight", "fc1.bias", "fc2.weight",
+                                                                        "fc2.bias") if (c, n) != (1, "fc2.bias")]
+        assert r["unbound"] == ["chunk1.fc2.bias"]
+        assert r["changed"] == {n: n != "chunk1.fc2.bias" for n in r["changed"]}
+        assert r["views_match"] and r["verify_error"] is None
+        assert sorted(set(r["buffer_chunks"])) == [0, 1]
+        assert r["bf16_only"] == 0 and r["bf16_only_unbound"] == 8 and r["bf16_only_mode"] == "empty"
