@@ -9,10 +9,12 @@ Under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) use :func:`init_
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import sys
 import time
@@ -46,7 +48,7 @@ class RankTimeout(RuntimeError):
         self.ranks = list(ranks)
         super().__init__(
             f"rank(s) {', '.join(map(str, self.ranks))} did not finish within {timeout:g} s (hung or too slow); "
-            f"all ranks were stopped. Raise --timeout if the run is merely slow."
+            f"all ranks were stopped (their Python stacks are on stderr). Raise --timeout if the run is merely slow."
         )
 
 
@@ -99,6 +101,8 @@ def _child(rank: int, world: int, port: int, job: _Job, results: Any) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if hasattr(signal, "SIGUSR1"):  # the parent asks a hung rank for its Python stacks before stopping it
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         init_from_env(job.backend, job.device, job.timeout_s)
         value = job.fn(*job.args, **job.kwargs)
@@ -123,6 +127,19 @@ def _child(rank: int, world: int, port: int, job: _Job, results: Any) -> None:
         pass
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def _dump_stacks(procs: Sequence[Any]) -> None:
+    """Make hung ranks print their Python stacks to stderr (``faulthandler`` on SIGUSR1) before they are killed."""
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    for p in procs:
+        if p.is_alive() and p.pid:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except OSError:
+                pass
+    time.sleep(1.0)
 
 
 def spawn(
@@ -179,6 +196,7 @@ def spawn(
         while len(values) + len(failures) < nprocs and not failures:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                _dump_stacks([p for r, p in enumerate(procs) if r not in values and r not in failures])
                 raise RankTimeout([r for r in range(nprocs) if r not in values and r not in failures], timeout)
             try:
                 _take(results.get(timeout=min(remaining, 0.5)))

@@ -312,7 +312,7 @@ class LegacyOptimizer:
             slot.main.grad = None if source is None else slot.model_view(source).float()
         grads = [s.main.grad for s in self._slots if s.main.grad is not None]
         if self.grad_scaler is not None:
-            inv_scale, found = 1.0 / self.grad_scaler.scale, torch.zeros(1)
+            inv_scale, found = 1.0 / self.grad_scaler.scale, torch.zeros(1, device=self._device())
             for g in grads:
                 g.mul_(inv_scale)
                 found = torch.maximum(found, (~torch.isfinite(g)).any().float().view(1))
@@ -321,7 +321,7 @@ class LegacyOptimizer:
             if found_inf:
                 return False, None, None
         counted = [s.main.grad for s in self._slots if s.main.grad is not None and self._counts(s)]
-        sumsq = torch.zeros(1, dtype=torch.float32)
+        sumsq = torch.zeros(1, dtype=torch.float32, device=self._device())
         for g in counted:
             sumsq += torch.linalg.vector_norm(g).square()
         grad_norm = float(_all_reduce(sumsq, dist.ReduceOp.SUM, groups).item()) ** 0.5
@@ -331,7 +331,7 @@ class LegacyOptimizer:
                 g.mul_(coeff)
         num_zeros = None
         if self.log_num_zeros:
-            zeros = torch.zeros(1, dtype=torch.float32)
+            zeros = torch.zeros(1, dtype=torch.float32, device=self._device())
             for g in counted:
                 zeros += g.numel() - torch.count_nonzero(g)
             num_zeros = float(_all_reduce(zeros, dist.ReduceOp.SUM, groups).item())
@@ -340,6 +340,14 @@ class LegacyOptimizer:
         return True, grad_norm, num_zeros
 
     # ----------------------------------------------------------------------------------------------- helpers
+    def _device(self) -> torch.device:
+        """Where the reduction scalars live: with the params (NCCL reduces CUDA tensors only)."""
+        if self._slots:
+            return self._slots[0].main.device
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def _counts(self, slot: _Slot) -> bool:
         """Whether ``slot``'s grad enters the norm here (each element once over the whole world)."""
         param = slot.model_param
