@@ -525,6 +525,7 @@ class JobResult:
     report: dict[str, Any] = field(default_factory=dict)
     log: Path | None = None
     ran_pytest: bool = False
+    selfcheck: dict[str, Any] = field(default_factory=dict)
 
 
 def _junit_counts(path: Path, result: JobResult) -> None:
@@ -588,12 +589,38 @@ def run_release(release: Any, out: _Out, extra: Sequence[str] = ()) -> JobResult
             raise _JobError(f"start-up check failed (exit status {code}); see its output above")
         result.report = json.loads(report_path.read_text(encoding="utf-8"))
         _run_pytest(release.python, release, "mcore", release.session, out, result, extra)
+        if not extra:  # a narrowed run (``-- -k ...``) skips the CLI self-check
+            _run_selfcheck(release, out, result)
     except (_JobError, subprocess.CalledProcessError, OSError) as exc:
         out.say(f"ERROR: {exc}")
         result.ok, result.details = False, str(exc)
         result.errors += 0 if result.ran_pytest else 1
     result.seconds = time.monotonic() - start
     return result
+
+
+#: What every release session runs after pytest: the main job, as a user runs it.
+SELFCHECK_ARGS = ("self-check", "--nproc", "2", "--sweep", "--device", "cpu", "--bind", "--timeout", "600")
+
+
+def _run_selfcheck(release: Any, out: _Out, result: JobResult) -> None:
+    """``mcore-compat self-check --nproc 2 --sweep --bind`` (DP=2 and TP=2 with the distributed optimizer on and
+    off, PP=2): its verdict joins the session's, its per-configuration summaries go into the recorded result."""
+    path = LOGS / f"{release.session}.selfcheck.json"
+    path.unlink(missing_ok=True)
+    out.say("mcore-compat " + " ".join(SELFCHECK_ARGS))
+    code = out.run([base_python(release.python), "-P", "-m", "mcore_compat", *SELFCHECK_ARGS, "--json", path],
+                   env=session_env(release.python, release), check=False)
+    reports = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
+    configs = [{**{k: r["settings"].get(k) for k in ("tp", "pp", "dp", "distributed_optimizer", "bind", "dtype")},
+                "summary": r["summary"]} for r in reports]
+    good = sum(bool(r["ok"]) for r in reports)
+    result.selfcheck = {"result": "pass" if code == 0 else "fail", "configurations": configs,
+                        "summary": f"{good}/{len(reports)} configurations pass"}
+    if code != 0:
+        result.ok = False
+        result.errors += 1
+        result.details = "; ".join(filter(None, [result.details, f"self-check exited with status {code}"]))
 
 
 def run_unit(out: _Out, extra: Sequence[str] = ()) -> JobResult:
@@ -724,6 +751,7 @@ def _cpu_record(release: Any, result: JobResult) -> dict[str, Any]:
         "seconds": round(result.seconds, 1),
         "install": release.install,
         "details": result.details,
+        "self_check": result.selfcheck or None,
     }
 
 

@@ -491,6 +491,9 @@ def _result_cell(result: Mapping[str, Any] | None) -> str:
     counts = [f"{result[k]} {k}" for k in ("passed", "failed", "errors", "skipped") if result.get(k)]
     if counts:
         text += ": " + ", ".join(counts)
+    check = result.get("self_check")
+    if isinstance(check, Mapping) and check.get("summary"):
+        text += f"; self-check {check['summary']}"
     return _cell(text)
 
 

@@ -19,6 +19,8 @@ NEGATIVE = {
                          {"training_hooks_installed", "grad_norm_matches_reference"}, ">=0.4"),
     "lr_zero": (dict(distributed_optimizer=False), {"all_params_changed", "update_matches_reference"}, ">=0.4"),
     "perturb_dp_rank": (dict(distributed_optimizer=False), {"dp_ranks_identical"}, ">=0.4"),
+    "rebind_after_bind": (dict(distributed_optimizer=True, bind=True), {"binding_verified", "bound_buffer_current"},
+                          ">=0.4"),
 }
 
 
@@ -38,20 +40,24 @@ def _negatives() -> list[str]:
 def sweep() -> dict[str, Report]:
     positive = standard_sweep(2, model="gpt", steps=2)
     positive.append(SelfCheckOptions(tp=1, distributed_optimizer=True, dtype="bf16", model="gpt", steps=2))
-    negative = [SelfCheckOptions(tp=1, model="mlp", steps=2, fault=f, **NEGATIVE[f][0]) for f in _negatives()]
+    negative = [SelfCheckOptions(tp=1, model="mlp", steps=2, fault=f, **{"bind": False, **NEGATIVE[f][0]})
+                for f in _negatives()]
     reports = run_sweep(positive + negative, 2, device="cpu", timeout=900)
-    names = [f"tp{c.tp or 1}-{'distopt' if c.distributed_optimizer else 'plain'}-{c.dtype}" for c in positive]
+    names = [f"tp{c.tp or 1}-pp{c.pp or 1}-{'distopt' if c.distributed_optimizer else 'plain'}-{c.dtype}"
+             for c in positive]
     return dict(zip(names + [c.fault for c in negative], reports, strict=True))
 
 
-@pytest.mark.parametrize("name", ["tp1-distopt-fp32", "tp1-plain-fp32", "tp2-distopt-fp32", "tp2-plain-fp32",
-                                  "tp1-distopt-bf16"])
+@pytest.mark.parametrize("name", ["tp1-pp1-distopt-fp32", "tp1-pp1-plain-fp32", "tp2-pp1-distopt-fp32",
+                                  "tp2-pp1-plain-fp32", "tp1-pp2-distopt-fp32", "tp1-pp1-distopt-bf16"])
 def test_standard_configuration_passes(sweep: dict[str, Report], name: str) -> None:
     report = sweep[name]
     assert report.ok, report.render()
     names = {c.name for c in report.checks}
     assert {"all_params_changed", "update_matches_reference", "grad_norm_matches_reference",
-            "dp_ranks_identical", "training_hooks_installed"} <= names
+            "dp_ranks_identical", "training_hooks_installed", "binding_verified", "bound_buffer_current"} <= names
+    if "-pp2-" in name:
+        assert "pipeline_gather_matches" in names
 
 
 @pytest.mark.parametrize("fault", list(NEGATIVE))
@@ -63,3 +69,33 @@ def test_negative_control_fails_the_right_check(sweep: dict[str, Report], fault:
     failed = {c.name for c in report.failed()}
     assert not report.ok
     assert NEGATIVE[fault][1] <= failed, report.render()
+
+
+# ------------------------------------------------------------------------ check_training_step on the caller's model
+@pytest.fixture(scope="module")
+def own_model() -> dict[str, dict]:
+    from mcore_compat.launch import spawn
+
+    scenarios = pytest.importorskip("_own_model_scenarios")
+    return spawn(scenarios.run_all, 2, device="cpu", timeout=600)[0]
+
+
+#: case -> (report ok, checks that must be present and fail)
+OWN_MODEL = {
+    "good": (True, set()),
+    "good-pp2": (True, set()),
+    "no-hook": (False, {"training_hooks_installed"}),
+    "rebind-after-bind": (False, {"binding_verified", "bound_buffer_current"}),
+}
+
+
+@pytest.mark.parametrize("case", list(OWN_MODEL))
+def test_check_training_step_on_own_model(own_model: dict[str, dict], case: str) -> None:
+    result = own_model[case]
+    ok, must_fail = OWN_MODEL[case]
+    assert result["ok"] is ok, result["text"]
+    assert {n for n, passed in result["checks"].items() if not passed} >= must_fail, result["text"]
+    assert {"training_hooks_installed", "all_params_changed", "dp_ranks_identical", "binding_verified",
+            "bound_buffer_current"} <= set(result["checks"])
+    if case == "good-pp2":
+        assert result["checks"]["pipeline_gather_matches"]

@@ -26,8 +26,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True,
                    help="use the distributed optimizer (default: on)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--bind", action=argparse.BooleanOptionalAction, default=False,
-                   help="bind parameters to flat buffers and check the binding")
+    p.add_argument("--bind", action=argparse.BooleanOptionalAction, default=True,
+                   help="bind parameters to flat buffers (bind_params) and check the binding, and with --pp > 1 "
+                        "the pipeline gather (default: on)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda if available, else cpu with gloo and the CPU patches")
     p.add_argument("--model", choices=("mlp", "gpt"), default="gpt")

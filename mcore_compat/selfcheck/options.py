@@ -15,6 +15,7 @@ FAULTS = {
     "no_finalize_hook": "config.finalize_model_grads_func left unset (raw Megatron schedules skip it silently)",
     "lr_zero": "the optimizer built with learning rate 0",
     "perturb_dp_rank": "the last data-parallel rank's weights perturbed after the first step",
+    "rebind_after_bind": "param.data rebound to an outside flat buffer after bind_params (needs bind=True)",
 }
 
 
@@ -47,7 +48,7 @@ class SelfCheckOptions:
     dp: int | None = None
     distributed_optimizer: bool = True
     dtype: str = "fp32"
-    bind: bool = False
+    bind: bool = True
     device: str | None = None
     model: str = "gpt"
     steps: int = 3
@@ -85,6 +86,8 @@ class SelfCheckOptions:
             raise UsageError(f"--steps must be >= 1, got {self.steps}")
         if self.fault is not None and self.fault not in FAULTS:
             raise UsageError(f"unknown fault {self.fault!r}; known: {', '.join(FAULTS)}")
+        if self.fault == "rebind_after_bind" and not self.bind:
+            raise UsageError("fault rebind_after_bind needs bind=True (--bind)")
         if self.timeout <= 0:
             raise UsageError(f"--timeout must be > 0, got {self.timeout}")
         device = self.device

@@ -140,9 +140,13 @@ def run_sweep(configs: list[SelfCheckOptions], nproc: int, *, device: str | None
 
 def standard_sweep(nproc: int = 2, **common: Any) -> list[SelfCheckOptions]:
     """The configurations the matrix checks on every release: DP=nproc and TP=nproc, distributed optimizer on
-    and off (``common`` sets the rest, e.g. ``dtype="bf16"``)."""
+    and off, then PP=nproc with the distributed optimizer (pipeline gather); all with ``bind=True`` unless
+    ``common`` says otherwise (``common`` sets the rest, e.g. ``dtype="bf16"``)."""
+    common = {"bind": True, **common}
     out = []
     for tp in (1, nproc) if nproc > 1 else (1,):
         for distopt in (True, False):
-            out.append(SelfCheckOptions(tp=tp, distributed_optimizer=distopt, **common))
+            out.append(SelfCheckOptions(tp=tp, pp=1, distributed_optimizer=distopt, **common))
+    if nproc > 1:
+        out.append(SelfCheckOptions(tp=1, pp=nproc, distributed_optimizer=True, **common))
     return out

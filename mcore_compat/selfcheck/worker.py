@@ -192,6 +192,66 @@ def _buffer_alias_check(chunks: list[Any]) -> Check | None:
                  (f"; not aliased: {', '.join(bad[:5])}" if bad else ""), {"not_aliased": bad})
 
 
+def _bind(chunks: list[Any], checks: list[Check]) -> Any:
+    """``bind_params`` on the wrapped chunks; a refusal becomes a failed ``binding_verified`` check."""
+    from ..binding import BindingError, bind_params
+
+    try:
+        return bind_params(chunks)
+    except BindingError as exc:
+        checks.append(Check("binding_verified", False, f"bind_params refused: {exc}"))
+        return None
+
+
+def _binding_checks(binding: Any, module: Any, before: dict[str, Any]) -> list[Check]:
+    """After the steps: the binding still verifies, and its flat buffers hold the model's new weights."""
+    import torch
+
+    from ..binding import BindingError
+
+    try:
+        binding.verify()
+        verified = Check("binding_verified", True, f"{len(binding)} parameters at their offsets of "
+                         f"{len(binding.flat_buffers())} flat buffer(s) ({binding.mode})")
+    except BindingError as exc:
+        verified = Check("binding_verified", False, str(exc))
+    params = dict(_core(module).named_parameters())
+    views = binding.named_views()
+    stale = [n for n, v in views.items() if not torch.equal(v, params[n].detach())]
+    unchanged = [n for n, v in views.items() if torch.equal(v.float(), before[n])]
+    current = Check("bound_buffer_current", not stale and not unchanged,
+                    f"{len(views) - len(stale)}/{len(views)} flat-buffer views equal the model's weights, "
+                    f"{len(views) - len(unchanged)}/{len(views)} changed by the steps" +
+                    (f"; differ from the model: {', '.join(stale[:5])}" if stale else "") +
+                    (f"; unchanged: {', '.join(unchanged[:5])}" if unchanged else ""),
+                    {"stale": stale, "unchanged": unchanged})
+    return [verified, current]
+
+
+def _pipeline_gather_check(binding: Any, ps: Any) -> Check:
+    """``gather_pipeline`` equals every stage's own weights (exchanged tensor by tensor as the reference)."""
+    import torch
+    import torch.distributed as dist
+
+    from ..binding import gather_pipeline
+
+    group = ps.get_pipeline_model_parallel_group()
+    gathered = gather_pipeline(binding, group=group)
+    mine = {n: v.detach().cpu().clone() for n, v in binding.named_views().items()}
+    stages: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(stages, mine, group=group)
+    expected = {f"stage{s}.{n}": t for s, d in enumerate(stages) for n, t in d.items()}
+    missing = sorted(set(expected) - set(gathered))
+    extra = sorted(set(gathered) - set(expected))
+    wrong = [n for n in expected if n in gathered and not torch.equal(gathered[n].cpu(), expected[n])]
+    ok = not missing and not extra and not wrong
+    return Check("pipeline_gather_matches", ok,
+                 f"{len(expected) - len(missing) - len(wrong)}/{len(expected)} tensors of {len(stages)} stages "
+                 f"equal each stage's weights" + (f"; missing {missing[:3]}" if missing else "") +
+                 (f"; unexpected {extra[:3]}" if extra else "") + (f"; differ {wrong[:3]}" if wrong else ""),
+                 {"missing": missing, "extra": extra, "differ": wrong})
+
+
 def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
     """Run the self-check on this rank (process group already initialised); returns its checks and environment."""
     applied = _prepare(opts)
@@ -231,10 +291,13 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
     training.install_training_hooks(chunks, optimizer)
     if opts.fault == "rebind_after_optimizer":
         _rebind_outside(chunks[0])
+    checks: list[Check] = []
+    binding = _bind(chunks, checks) if opts.bind else None
+    if opts.fault == "rebind_after_bind":
+        _rebind_outside(chunks[0])
     if opts.fault == "no_finalize_hook":
         symbols.resolve("get_model_config")(chunks[0]).finalize_model_grads_func = None
 
-    checks: list[Check] = []
     cfg = symbols.resolve("get_model_config")(chunks[0])
     try:
         training.check_training_hooks(chunks)
@@ -292,5 +355,9 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
     alias = _buffer_alias_check(chunks)
     if alias is not None:
         checks.append(alias)
+    if binding is not None:
+        checks.extend(_binding_checks(binding, chunks[0], before))
+        if (opts.pp or 1) > 1:
+            checks.append(_pipeline_gather_check(binding, ps))
     ps.destroy_model_parallel()
     return checks, env
