@@ -459,13 +459,20 @@ def _atomic_write(target: Path, text: str) -> None:
 # ----------------------------------------------------------------------------------------------- rendering
 _HEADER = """\
 <!-- Generated from matrix/versions.toml and matrix/results.json by `python -m mcore_compat.support render`.
-     Do not edit by hand: edit versions.toml (releases) or run `python3 -m nox -s matrix` (CPU results). -->
+     Do not edit by hand: edit versions.toml (releases) or run `python3 -m nox -s matrix` (CPU results)
+     or scripts/record_gpu_results.py (GPU results). -->
 # Supported Megatron-Core releases
 
 Every release below has its own nox session (`nox -s mcore-<version>`, `nox -l` lists them) that runs the
 `mcore`-marked tests against that exact release on a CPU-only torch. **min**/**latest** mark the earliest and
 latest tested patch of each minor. A version that is not listed (a release candidate, a source checkout, a newer
 release) is looked up by `mcore-compat doctor`, which names the nearest tested releases.
+
+**CPU**: the release's nox session (pytest counts) and its `mcore-compat self-check --nproc 2 --sweep --bind`
+(DP=2 and TP=2 with the distributed optimizer on and off, PP=2), on gloo. **GPU**: `scripts/gpu_matrix.py` on
+NVIDIA H200 with NCCL: the self-check in bf16 with `--bind` on 1 GPU (distributed optimizer on and off) and, where
+a 2-GPU machine was lent, DP=2, PP=2 and TP=2; per-configuration results are in `results.json`, the raw runs in
+`gpu-runs/` (`python3 scripts/record_gpu_results.py` re-records them).
 """
 
 
@@ -488,6 +495,12 @@ def _result_cell(result: Mapping[str, Any] | None) -> str:
     if not result:
         return "—"
     text = f"{result.get('result', '?')} ({result.get('date', '?')})"
+    configs = result.get("configurations")
+    if isinstance(configs, list) and configs and all(isinstance(c, Mapping) for c in configs):
+        gpus = sorted({int(c.get("gpus", 1)) for c in configs})
+        good = sum(bool(c.get("ok")) for c in configs)
+        where = "/".join(map(str, gpus)) + " GPU" + ("s" if gpus != [1] else "")
+        return _cell(f"{text}: {good}/{len(configs)} configurations on {where}")
     counts = [f"{result[k]} {k}" for k in ("passed", "failed", "errors", "skipped") if result.get(k)]
     if counts:
         text += ": " + ", ".join(counts)
