@@ -99,3 +99,24 @@ def test_check_training_step_on_own_model(own_model: dict[str, dict], case: str)
             "bound_buffer_current"} <= set(result["checks"])
     if case == "good-pp2":
         assert result["checks"]["pipeline_gather_matches"]
+
+
+# ---------------------------------------------------------------------------- world size 4: TP=2 x PP=2, DP=2 x PP=2
+WORLD4 = {
+    "tp2-pp2-distopt": SelfCheckOptions(tp=2, pp=2, distributed_optimizer=True, model="gpt", steps=2),
+    "dp2-pp2-plain": SelfCheckOptions(tp=1, pp=2, distributed_optimizer=False, model="gpt", steps=2),
+}
+
+
+@pytest.fixture(scope="module")
+def world4() -> dict[str, Report]:
+    return dict(zip(WORLD4, run_sweep(list(WORLD4.values()), 4, device="cpu", timeout=900), strict=True))
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_world_size_4_pipeline_with_binding(world4: dict[str, Report], name: str) -> None:
+    report = world4[name]
+    assert report.ok, report.render()
+    passed = {c.name for c in report.checks if c.passed}
+    assert {"pipeline_gather_matches", "binding_verified", "bound_buffer_current", "update_matches_reference",
+            "grad_norm_matches_reference", "dp_ranks_identical"} <= passed, report.render()
