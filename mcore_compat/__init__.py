@@ -91,7 +91,8 @@ _LAZY_ATTRS: dict[str, tuple[str, str]] = {
 }
 _LAZY_ATTRS.update({name: ("mcore_compat.layout", name) for name in ("layout_of", "compute_layout", "ModelLayout")})
 _LAZY_ATTRS.update({name: ("mcore_compat.binding", name)
-                    for name in ("bind_params", "gather_pipeline", "ParamBinding", "BindingError", "Manifest")})
+                    for name in ("bind_params", "gather_pipeline", "gather_pipeline_flat", "ParamBinding",
+                                 "StageBuffers", "BindingError", "Manifest")})
 
 
 def __getattr__(name: str) -> Any:

@@ -354,12 +354,43 @@ def _stage_model(stage: int) -> Any:
     return module
 
 
+def _stage_flats(binding: Any) -> list[Any]:
+    """Per stage (collective over all ranks): ``(manifest dict, [flat buffer clones])`` of that stage's binding."""
+    import torch.distributed as dist
+
+    stages: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, (binding.manifest().to_dict(), [f.clone() for f in binding.flat_buffers()]))
+    return stages
+
+
+def _flat_result_check(got: list[Any], expected: list[Any], me: int, binding: Any) -> dict[str, Any]:
+    """Compare gather_pipeline_flat's answer with every stage's (manifest, flat buffers)."""
+    import torch
+
+    from mcore_compat.binding import Manifest, StageBuffers
+
+    mine = binding.flat_buffers()
+    return {
+        "stages": [sb.stage for sb in got],
+        "types_ok": all(isinstance(sb, StageBuffers) for sb in got),
+        "manifests_equal": [sb.manifest == Manifest.from_dict(expected[sb.stage][0]) for sb in got],
+        "buffers_equal": [len(sb.buffers) == len(expected[sb.stage][1])
+                          and all(torch.equal(a, b) for a, b in zip(sb.buffers, expected[sb.stage][1], strict=True))
+                          for sb in got],
+        "own_is_live": all(a is b for sb in got if sb.stage == me for a, b in zip(sb.buffers, mine, strict=True)),
+        "views_match": all(
+            torch.equal(views[e.name], expected[sb.stage][1][e.buffer][e.offset:e.offset + e.numel].view(e.shape))
+            for sb in got for views in [sb.views()] for e in sb.manifest.params),
+    }
+
+
 def case_pipeline(distopt: bool) -> dict[str, Any]:
-    """PP=2 over both ranks: step, then gather_pipeline on every rank and with dst=0."""
+    """PP=2 over both ranks: step, then gather_pipeline / gather_pipeline_flat on every rank and with dst=0; then
+    gather_pipeline_flat(reuse_buffers=True) twice around another step."""
     import torch
     import torch.distributed as dist
 
-    from mcore_compat.binding import bind_params, gather_pipeline
+    from mcore_compat.binding import bind_params, gather_pipeline, gather_pipeline_flat
 
     _init_parallel(pp=2)
     ps = _ps()
@@ -402,6 +433,12 @@ def case_pipeline(distopt: bool) -> dict[str, Any]:
         calls.clear()
         got_dst = gather_pipeline(binding, dst=0)
         calls_dst = dict(calls)
+        calls.clear()
+        got_flat = gather_pipeline_flat(binding)
+        calls_flat = dict(calls)
+        calls.clear()
+        got_flat_dst = gather_pipeline_flat(binding, dst=0)
+        calls_flat_dst = dict(calls)
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
@@ -417,7 +454,31 @@ def case_pipeline(distopt: bool) -> dict[str, Any]:
            "expected_keys": list(expected), "dst_keys": list(got_dst),
            "dst_equal": same(got_dst) if got_dst else None,
            "calls_all": calls_all, "calls_again": calls_again, "calls_dst": calls_dst,
-           "flats_per_stage": flats_per_stage, "bad_dst": bad_dst}
+           "flats_per_stage": flats_per_stage, "bad_dst": bad_dst,
+           "calls_flat": calls_flat, "calls_flat_dst": calls_flat_dst}
+    stage_flats = _stage_flats(binding)
+    flat = _flat_result_check(got_flat, stage_flats, stage, binding)
+    flat_dst = _flat_result_check(got_flat_dst, stage_flats, stage, binding)
+    # reuse_buffers=True: same receive tensors on the next call, overwritten with the new weights.
+    first = gather_pipeline_flat(binding, reuse_buffers=True)
+    first_ids = [[(id(t), t.data_ptr()) for t in sb.buffers] for sb in first]
+    first_copies = [[t.clone() for t in sb.buffers] for sb in first]
+    _step(chunks, opt, in_dim=H if stage == 0 else F, seed=1)
+    second = gather_pipeline_flat(binding, reuse_buffers=True)
+    fresh = gather_pipeline_flat(binding)
+    stage_flats_after = _stage_flats(binding)
+    other = [i for i, sb in enumerate(second) if sb.stage != stage]
+    reuse = {
+        "after_step": _flat_result_check(second, stage_flats_after, stage, binding),
+        "same_objects": [[(id(t), t.data_ptr()) for t in sb.buffers] for sb in second] == first_ids
+        and all(a is b for i in other for a, b in zip(first[i].buffers, second[i].buffers, strict=True)),
+        "first_overwritten": all(not torch.equal(a, b) for i in other
+                                 for a, b in zip(first[i].buffers, first_copies[i], strict=True)),
+        "fresh_is_new": all(a.data_ptr() != b.data_ptr() for i in other
+                            for a, b in zip(fresh[i].buffers, second[i].buffers, strict=True)),
+        "n_other_buffers": sum(len(second[i].buffers) for i in other),
+    }
+    out.update(flat=flat, flat_dst=flat_dst, reuse=reuse)
     _init_parallel()
     return out
 

@@ -1,4 +1,5 @@
-"""Parameter binding (issue 4 items 3-6): ``bind_params``, ``verify``, views/manifest, ``gather_pipeline``, ``unbind``.
+"""Parameter binding (issue 4 items 3-6): ``bind_params``, ``verify``, views/manifest, ``gather_pipeline`` and
+``gather_pipeline_flat``, ``unbind``.
 
 ONE module-scoped ``spawn(run_all, 2)`` runs every configuration (tests/_binding_scenarios.py) in one gloo group;
 the tests below only assert. Unit tests (no megatron-core) cover the manifest and the error texts.
@@ -13,7 +14,15 @@ import pytest
 import torch
 
 from mcore_compat._ranges import in_range
-from mcore_compat.binding import BindingError, Manifest, ManifestBuffer, ManifestEntry, bind_params
+from mcore_compat.binding import (
+    BindingError,
+    Manifest,
+    ManifestBuffer,
+    ManifestEntry,
+    StageBuffers,
+    bind_params,
+    gather_pipeline_flat,
+)
 from mcore_compat.errors import McoreCompatError
 
 SCENARIOS = pytest.importorskip("_binding_scenarios")
@@ -63,6 +72,47 @@ def test_manifest_views_slice_buffers_and_check_them() -> None:
         m.views([flats[0], torch.zeros(7)])
     with pytest.raises(BindingError, match="2 flat buffer"):
         m.views(flats[:1])
+
+
+@pytest.mark.unit
+def test_manifest_views_alias_the_buffers_with_every_shape() -> None:
+    """Views are written through to the flat buffer (and back), for matrices, vectors, a scalar and empty params,
+    on contiguous buffers, a buffer with a storage offset, and a strided 1-D buffer."""
+    m = Manifest(
+        buffers=(ManifestBuffer(0, 0, "chunk0/float32->float32/dense", "float32", 20, False),),
+        params=(ManifestEntry("w", 0, 0, 8, (3, 4), "float32"), ManifestEntry("b", 0, 0, 4, (4,), "float32"),
+                ManifestEntry("scale", 0, 0, 2, (), "float32"), ManifestEntry("empty", 0, 0, 3, (0, 5), "float32")),
+    )
+    storage = torch.zeros(25)
+    for flat in (torch.zeros(20), storage[5:], torch.zeros(40)[::2]):
+        views = m.views([flat])
+        assert {n: tuple(v.shape) for n, v in views.items()} == {"w": (3, 4), "b": (4,), "scale": (),
+                                                                 "empty": (0, 5)}
+        assert all(v.is_contiguous() for v in views.values()) == flat.is_contiguous()
+        views["w"][1, 2] = 7.0
+        views["b"].fill_(2.0)
+        views["scale"].fill_(-1.0)
+        assert flat[8 + 1 * 4 + 2] == 7.0 and flat[4:8].tolist() == [2.0] * 4 and flat[2] == -1.0
+        assert flat.sum() == 7.0 + 8.0 - 1.0
+        flat[19] = 5.0
+        assert views["w"][2, 3] == 5.0
+        assert views["w"].data_ptr() == flat[8:].data_ptr() and views["scale"].data_ptr() == flat[2:].data_ptr()
+    assert storage[5 + 2] == -1.0 and storage[:5].sum() == 0
+
+
+@pytest.mark.unit
+def test_stage_buffers_views_and_exports() -> None:
+    import mcore_compat
+    from mcore_compat import binding
+
+    m = _manifest()
+    flats = [torch.arange(40, dtype=torch.bfloat16), torch.arange(6, dtype=torch.float32)]
+    sb = StageBuffers(1, m, flats)
+    assert list(sb.views()) == ["w", "b", "scale"] and sb.views()["scale"].data_ptr() == flats[1].data_ptr()
+    with pytest.raises(AttributeError):
+        sb.stage = 0  # type: ignore[misc]
+    assert {"StageBuffers", "gather_pipeline_flat"} <= set(binding.__all__)
+    assert mcore_compat.gather_pipeline_flat is gather_pipeline_flat and mcore_compat.StageBuffers is StageBuffers
 
 
 @pytest.mark.unit
@@ -197,6 +247,42 @@ def test_gather_pipeline_returns_every_stage_with_one_collective_per_buffer(resu
         else:
             assert r["dst_keys"] == [] and r["dst_equal"] is None
             assert r["calls_dst"] == {"send": mine}
+
+
+def _assert_flat_stages(check: dict[str, Any], stages: list[int]) -> None:
+    assert check["stages"] == stages and check["types_ok"]
+    assert all(check["manifests_equal"]) and len(check["manifests_equal"]) == len(stages)
+    assert all(check["buffers_equal"]) and len(check["buffers_equal"]) == len(stages)
+    assert check["own_is_live"] and check["views_match"]
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", PIPELINE_CASES)
+def test_gather_pipeline_flat_returns_every_stage_manifest_and_buffers(results: dict[str, Any], name: str) -> None:
+    per_rank = _get(results, name)
+    n_buffers = sum(per_rank[0]["flats_per_stage"])
+    for r in per_rank:
+        _assert_flat_stages(r["flat"], [0, 1])
+        assert r["calls_flat"] == {"broadcast": n_buffers}, "one broadcast per flat buffer, manifests cached"
+        mine = r["flats_per_stage"][r["stage"]]
+        if r["stage"] == 0:  # dst=0
+            _assert_flat_stages(r["flat_dst"], [0, 1])
+            assert r["calls_flat_dst"] == {"recv": n_buffers - mine}
+        else:
+            assert r["flat_dst"]["stages"] == []
+            assert r["calls_flat_dst"] == {"send": mine}
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", PIPELINE_CASES)
+def test_gather_pipeline_flat_reuses_receive_buffers(results: dict[str, Any], name: str) -> None:
+    for r in _get(results, name):
+        reuse = r["reuse"]
+        assert reuse["n_other_buffers"] > 0
+        _assert_flat_stages(reuse["after_step"], [0, 1])  # the second call holds the weights after the step
+        assert reuse["same_objects"], "reuse_buffers=True must receive into the same tensors"
+        assert reuse["first_overwritten"], "the first call's tensors are the ones overwritten"
+        assert reuse["fresh_is_new"], "reuse_buffers=False allocates fresh receive buffers"
 
 
 @pytest.mark.mcore
