@@ -15,7 +15,6 @@ if no version can be found an error says so.
 from __future__ import annotations
 
 import ast
-import importlib.metadata as md
 import importlib.util
 import os
 import sys
@@ -23,15 +22,22 @@ import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from packaging.version import InvalidVersion, Version
 
 from .errors import MegatronNotFoundError
 
+if TYPE_CHECKING:  # pragma: no cover
+    import importlib.metadata as md
+
+# ``importlib.metadata`` (and the email/zipfile/... modules it pulls in) costs ~40 ms to import: it is imported
+# inside the functions that read distribution metadata, not with ``import mcore_compat``.
+
 __all__ = ["MegatronInfo", "detect", "refresh"]
 
 #: Distribution names known to ship ``megatron/core`` (checked first; any other distribution that owns the
-#: imported files is found through ``importlib.metadata.packages_distributions``).
+#: imported files is found among the ``*megatron*.dist-info`` next to the imported tree).
 KNOWN_DISTRIBUTIONS = ("megatron-core", "megatron_core")
 
 _INSTALL_HINT = (
@@ -123,17 +129,20 @@ def _version_from_package_info(core_dir: Path) -> Version | None:
 
 
 def _owning_distribution(core_dir: Path) -> md.Distribution | None:
+    import importlib.metadata as md
+
     init = (core_dir / "__init__.py").resolve()
-    candidates: list[str] = list(KNOWN_DISTRIBUTIONS)
-    try:
-        candidates += [d for d in md.packages_distributions().get("megatron", []) if d not in candidates]
-    except Exception:
-        pass
-    for name in candidates:
+    dists: list[md.Distribution] = []
+    for name in KNOWN_DISTRIBUTIONS:
         try:
-            dist = md.distribution(name)
+            dists.append(md.distribution(name))
         except md.PackageNotFoundError:
             continue
+    # Other names (forks, nightlies) installed next to the imported tree. Only that directory is searched:
+    # md.packages_distributions() reads every distribution's files and costs ~1 s in a large environment.
+    site = core_dir.parent.parent
+    dists += [md.PathDistribution(p) for p in sorted(site.glob("*megatron*.dist-info"))]
+    for dist in dists:
         try:
             located = Path(dist.locate_file("megatron/core/__init__.py")).resolve()
         except Exception:
@@ -145,6 +154,8 @@ def _owning_distribution(core_dir: Path) -> md.Distribution | None:
 
 def _other_metadata() -> tuple[str, Version] | None:
     """Metadata of a megatron-core distribution that exists somewhere but does not own the imported files."""
+    import importlib.metadata as md
+
     for name in KNOWN_DISTRIBUTIONS:
         try:
             return name, Version(md.version(name))

@@ -9,7 +9,7 @@ versions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from packaging.version import Version
 
@@ -27,14 +27,23 @@ class Row(Generic[T]):
     value: T
 
 
+#: ``(id(table), version) -> (table, value)``: tables are module constants, looked up on every training step.
+_LOOKUP_CACHE: dict[tuple[int, Version], tuple[Any, Any]] = {}
+
+
 def lookup(table: tuple[Row[T], ...], version: Version, what: str) -> T:
     """The value of the row of ``table`` whose range contains ``version``.
 
     Raises:
         UnsupportedVersionError: no row covers ``version`` (``what`` names the table in the message).
     """
+    key = (id(table), version)
+    hit = _LOOKUP_CACHE.get(key)
+    if hit is not None and hit[0] is table:
+        return hit[1]
     for row in table:
         if in_range(version, row.versions):
+            _LOOKUP_CACHE[key] = (table, row.value)
             return row.value
     raise UnsupportedVersionError(f"{what}: megatron-core {version} is not covered by mcore_compat's tables")
 

@@ -425,6 +425,20 @@ class _NullTimers:
         return None
 
 
+_STEP_TAKES_ARGS_TIMERS: dict[type, bool] = {}
+
+
+def _wants_args_timers(optimizer: Any) -> bool:
+    """Whether ``optimizer.step`` is Megatron-LM 0.4/0.5's ``step(args, timers)`` (cached per class)."""
+    cls = type(optimizer)
+    if cls not in _STEP_TAKES_ARGS_TIMERS:
+        required = [p.name for p in inspect.signature(optimizer.step).parameters.values()
+                    if p.default is inspect.Parameter.empty
+                    and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        _STEP_TAKES_ARGS_TIMERS[cls] = required == ["args", "timers"]
+    return _STEP_TAKES_ARGS_TIMERS[cls]
+
+
 def optimizer_step(optimizer: Any) -> tuple[bool, float | None, int | None]:
     """Run one optimizer step and return ``(update_successful, grad_norm, num_zeros_in_grad)``.
 
@@ -432,10 +446,7 @@ def optimizer_step(optimizer: Any) -> tuple[bool, float | None, int | None]:
     mcore_compat's legacy optimizer). The grad norm is a Python float (or ``None`` when the release does not
     compute it, e.g. ``clip_grad == 0`` on 0.6-0.11).
     """
-    params = [p for p in inspect.signature(optimizer.step).parameters.values()
-              if p.default is inspect.Parameter.empty
-              and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    if [p.name for p in params] == ["args", "timers"]:
+    if _wants_args_timers(optimizer):
         result = optimizer.step(None, _NullTimers())
     else:
         result = optimizer.step()
