@@ -65,6 +65,8 @@ SUMMARY_FILE = CACHE / "matrix-summary.txt"
 
 #: Test tools installed into every base, on top of its ``[base."3.x"].requirements``.
 TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3")
+#: What pytest collects in every session: the suite and the PPO-actor example client (issue: a real client).
+TEST_PATHS = ("tests", "examples/ppo_actor/tests")
 #: The Python that runs ``unit`` and ``lint``; its base also gets :data:`LINT_TOOLS`.
 TOOLS_PYTHON = "3.11"
 LINT_TOOLS = ("ruff==0.17.6",)
@@ -554,7 +556,7 @@ def _run_pytest(python: str, release: Any | None, marker: str, name: str, out: _
     LOGS.mkdir(parents=True, exist_ok=True)
     junit = LOGS / f"{name}.junit.xml"
     junit.unlink(missing_ok=True)
-    argv = [base_python(python), "-P", "-m", "pytest", "tests", "-m", marker, "-p", "no:cacheprovider",
+    argv = [base_python(python), "-P", "-m", "pytest", *TEST_PATHS, "-m", marker, "-p", "no:cacheprovider",
             f"--junitxml={junit}", *extra]
     code = out.run(argv, env=session_env(python, release), check=False)
     result.ran_pytest = True
