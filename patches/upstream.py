@@ -123,3 +123,75 @@ register(
         needed_when=_te_missing,
     )
 )
+
+
+# ------------------------------------------------------------------------------------- stale_embedding_ranks
+_STALE_RANK_GLOBALS = ("_EMBEDDING_GLOBAL_RANKS", "_POSITION_EMBEDDING_GLOBAL_RANKS")
+
+
+def _patch_parallel_state(module: types.ModuleType) -> Undo:
+    destroy = getattr(module, "destroy_model_parallel", None)
+    initialize = getattr(module, "initialize_model_parallel", None)
+    present = [name for name in _STALE_RANK_GLOBALS if hasattr(module, name)]
+    if destroy is None or initialize is None or not present:
+        return skipped("stale_embedding_ranks", f"{module.__name__} has no destroy/initialize_model_parallel or "
+                                                f"embedding rank globals")
+
+    def _not_a_member() -> None:
+        # [] rather than None: 0.4-0.8's is_rank_in_*_embedding_group() evaluate `rank in <global>` unguarded.
+        for name in present:
+            if getattr(module, name) is None:
+                setattr(module, name, [])
+
+    def destroy_model_parallel(*args: Any, **kwargs: Any) -> Any:
+        result = destroy(*args, **kwargs)
+        for name in present:
+            setattr(module, name, [])
+        return result
+
+    def initialize_model_parallel(*args: Any, **kwargs: Any) -> Any:
+        result = initialize(*args, **kwargs)
+        _not_a_member()
+        return result
+
+    destroy_model_parallel.__doc__ = destroy.__doc__
+    initialize_model_parallel.__doc__ = initialize.__doc__
+    changes = Changes()
+    changes.setattr(module, "destroy_model_parallel", destroy_model_parallel)
+    changes.setattr(module, "initialize_model_parallel", initialize_model_parallel)
+    return changes.undo
+
+
+def _apply_stale_embedding_ranks() -> Undo:
+    return when_imported("megatron.core.parallel_state", _patch_parallel_state)
+
+
+def _check_stale_embedding_ranks() -> str | None:
+    mod = sys.modules.get("megatron.core.parallel_state")
+    if mod is not None:
+        if not hasattr(mod, "destroy_model_parallel") or not hasattr(mod, "_POSITION_EMBEDDING_GLOBAL_RANKS"):
+            return "parallel_state has no destroy_model_parallel or _POSITION_EMBEDDING_GLOBAL_RANKS"
+        return None
+    src = core_source("parallel_state.py")
+    if src is None or "_POSITION_EMBEDDING_GLOBAL_RANKS" not in src or "def destroy_model_parallel" not in src:
+        return "megatron/core/parallel_state.py with _POSITION_EMBEDDING_GLOBAL_RANKS not found"
+    return None
+
+
+register(
+    Patch(
+        name="stale_embedding_ranks",
+        versions=">=0.4,<0.13",
+        purposes=("upstream_bug",),
+        description=(
+            "0.4-0.12.x: parallel_state.destroy_model_parallel() leaves _EMBEDDING_GLOBAL_RANKS and "
+            "_POSITION_EMBEDDING_GLOBAL_RANKS set, so after a re-initialisation with another pipeline layout "
+            "is_rank_in_position_embedding_group() answers for the old layout and finalize_model_grads fails "
+            "with 'position embedding group is not initialized' (or all-reduces in a stale group); and on "
+            "0.4-0.8 a rank outside those groups gets a TypeError from `rank in None`. destroy resets both "
+            "(what 0.13 does) and both mean 'not a member' as an empty list."
+        ),
+        apply_fn=_apply_stale_embedding_ranks,
+        check_fn=_check_stale_embedding_ranks,
+    )
+)

@@ -311,7 +311,9 @@ def test_apply_for_purpose_filter() -> None:
     assert patches.apply_for("te_less", version="0.16.1") == []
     names = [p.name for p in patches.applicable("apex_less", version="0.6.0")]
     assert names == ["apex"]
-    assert [p.name for p in patches.applicable("upstream_bug", version="0.12.3")] == ["fp8_noop"]
+    assert [p.name for p in patches.applicable("upstream_bug", version="0.12.3")] == ["fp8_noop",
+                                                                                       "stale_embedding_ranks"]
+    assert [p.name for p in patches.applicable("upstream_bug", version="0.13.0")] == []
 
 
 # ============================================================================ with a real megatron-core (mcore)
@@ -462,6 +464,36 @@ def test_fp8_noop_bug_and_fix() -> None:
     )
     assert out["without"][0] == "RuntimeError" and "Invalid Transformer Engine version" in out["without"][1]
     assert out["with"] == ["ok", [4, 4]]
+
+
+@pytest.mark.mcore
+def test_stale_embedding_ranks_bug_and_fix() -> None:
+    """destroy_model_parallel() must forget the embedding ranks; before 0.13 it does not (reproduced first)."""
+    _skip_unless(patches.get("stale_embedding_ranks").versions)
+    out = _run_scenario(
+        """
+        patches.apply_for("cpu")
+        world1()
+        from megatron.core import parallel_state as ps
+
+        def after_destroy():
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()
+            ps.initialize_model_parallel()
+            ps.destroy_model_parallel()
+            return [ps.is_rank_in_position_embedding_group(),
+                    attempt(lambda: ps.get_position_embedding_group())[0]]
+
+        out = {"without": after_destroy()}
+        patches.apply("stale_embedding_ranks")
+        out["with"] = after_destroy()
+        patches.revert("stale_embedding_ranks")
+        out["reverted"] = after_destroy()
+        """
+    )
+    assert out["without"] == [True, "AssertionError"]  # the upstream bug: "in" a group that no longer exists
+    assert out["with"] == [False, "AssertionError"]
+    assert out["reverted"] == [True, "AssertionError"]
 
 
 @pytest.mark.mcore

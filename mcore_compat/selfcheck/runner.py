@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from datetime import timedelta
 from typing import Any
 
 from ..launch import RankFailure, RankTimeout, spawn
@@ -80,6 +81,10 @@ def run(options: SelfCheckOptions | None = None, **overrides: Any) -> Report:
     return report
 
 
+#: How long a rank whose configuration raised waits for its peers before it ends the sweep.
+_PEER_WAIT = timedelta(seconds=60)
+
+
 def _spawned_sweep(configs: list[SelfCheckOptions]) -> list[tuple[list[Check], dict[str, Any], str | None]]:
     import traceback
 
@@ -88,11 +93,11 @@ def _spawned_sweep(configs: list[SelfCheckOptions]) -> list[tuple[list[Check], d
     from .worker import run_rank
 
     out: list[tuple[list[Check], dict[str, Any], str | None]] = []
-    for opts in configs:
+    for index, opts in enumerate(configs):
         try:
             checks, env = run_rank(opts)
             out.append((checks, env, None))
-        except Exception:
+        except Exception as exc:
             out.append(([], {}, traceback.format_exc()))
             try:  # leave parallel_state clean for the next configuration
                 from .. import symbols
@@ -100,6 +105,16 @@ def _spawned_sweep(configs: list[SelfCheckOptions]) -> list[tuple[list[Check], d
                 symbols.resolve("parallel_state").destroy_model_parallel()
             except Exception:
                 pass
+            # Did every rank get here? A peer may be stuck in a collective this rank never joined: then stop the
+            # sweep now (the launcher ends the other ranks) instead of hanging until the timeout.
+            if dist.get_backend() != "gloo":
+                raise RuntimeError(f"configuration {index} ({opts.as_dict()}) failed on this rank") from exc
+            try:
+                dist.monitored_barrier(timeout=_PEER_WAIT)
+            except RuntimeError as stuck:
+                raise RuntimeError(f"configuration {index} ({opts.as_dict()}) failed on this rank and its peers "
+                                   f"did not follow ({stuck})") from exc
+            continue
         dist.barrier()
     return out
 
