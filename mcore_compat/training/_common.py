@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from packaging.version import Version
@@ -91,3 +92,19 @@ def unique(seq: Sequence[Any]) -> list[Any]:
             seen.add(id(item))
             out.append(item)
     return out
+
+
+def config_items(value: Any, what: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(items, defaults)`` of a mapping or a dataclass instance; ``defaults`` are the dataclass's field defaults
+    (empty for a mapping).
+
+    Raises:
+        TypeError: ``value`` is neither; the message says what to pass (``what``).
+    """
+    if isinstance(value, Mapping):
+        return dict(value), {}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
+        defaults = {f.name: f.default for f in dataclasses.fields(value) if f.default is not dataclasses.MISSING}
+        return items, defaults
+    raise TypeError(f"cannot use {type(value).__name__} as {what}")

@@ -10,7 +10,7 @@ keyword arguments and grad buffers (0.4/0.5), keyword arguments with ``ParamAndG
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ from ..errors import UnsupportedVersionError
 from . import _tables as T
 from ._common import (
     as_chunk_list,
+    config_items,
     default_dp_group,
     drop_or_raise,
     installed_version,
@@ -77,16 +78,8 @@ class DDPConfig:
             return cls()
         if isinstance(value, DDPConfig):
             return dataclasses.replace(value, extra=dict(value.extra))
-        if isinstance(value, Mapping):
-            items = dict(value)
-            defaults: dict[str, Any] = {}
-        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            items = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
-            defaults = {f.name: f.default for f in dataclasses.fields(value)
-                        if f.default is not dataclasses.MISSING}
-        else:
-            raise TypeError(f"cannot use {type(value).__name__} as a DDP config; pass an mcore_compat DDPConfig, "
-                            f"a dict, or a DistributedDataParallelConfig")
+        items, defaults = config_items(value, "a DDP config; pass an mcore_compat DDPConfig, a dict, or a "
+                                              "DistributedDataParallelConfig")
         for old_name, new_name in _FIELD_ALIASES.items():  # the 0.4-0.6 constructor's keyword names
             if old_name in items:
                 items.setdefault(new_name, items.pop(old_name))

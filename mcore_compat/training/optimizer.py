@@ -23,6 +23,7 @@ from ..rank0 import warn_once_rank_0
 from . import _tables as T
 from ._common import (
     as_chunk_list,
+    config_items,
     default_dp_group,
     drop_or_raise,
     group_ranks,
@@ -76,16 +77,8 @@ class OptimConfig:
         """An :class:`OptimConfig` from an ``OptimConfig``, a mapping, or any dataclass (Megatron's config)."""
         if isinstance(value, OptimConfig):
             return dataclasses.replace(value, extra=dict(value.extra))
-        if isinstance(value, Mapping):
-            items = dict(value)
-            defaults: dict[str, Any] = {}
-        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            items = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
-            defaults = {f.name: f.default for f in dataclasses.fields(value)
-                        if f.default is not dataclasses.MISSING}
-        else:
-            raise TypeError(f"cannot use {type(value).__name__} as an optimizer config; pass an mcore_compat "
-                            f"OptimConfig, a dict, or Megatron's OptimizerConfig")
+        items, defaults = config_items(value, "an optimizer config; pass an mcore_compat OptimConfig, a dict, "
+                                              "or Megatron's OptimizerConfig")
         own = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         extra = dict(items.pop("extra", {}) or {})
         extra.update({k: v for k, v in items.items()
