@@ -172,11 +172,27 @@ def spawn(
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     job = _Job(fn, tuple(args), dict(kwargs or {}), backend or default_backend(device), device,
                dict(env or {}), timeout)
-    port = free_port()
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return _run_group(job, nprocs, free_port())
+        except RankFailure as exc:
+            # free_port() cannot reserve the port: another process may take it before rank 0 listens on it.
+            taken = any("EADDRINUSE" in tb and "init_process_group" in tb for tb in exc.failures.values())
+            if not taken or attempt == _PORT_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+#: Tries with a fresh rendezvous port when the chosen one was taken in the meantime.
+_PORT_ATTEMPTS = 3
+
+
+def _run_group(job: _Job, nprocs: int, port: int) -> list[Any]:
+    timeout = job.timeout_s
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
     procs = [ctx.Process(target=_child, args=(r, nprocs, port, job, results), daemon=False)
              for r in range(nprocs)]
     for p in procs:

@@ -82,3 +82,18 @@ def _return_tensor() -> object:
 def test_tensors_come_back_by_value() -> None:
     out = spawn(_return_tensor, 2, timeout=120)
     assert [o["t"].tolist() for o in out] == [[0.0, 1.0, 2.0, 3.0], [0.0, 2.0, 4.0, 6.0]]
+
+
+def test_a_taken_rendezvous_port_is_retried_with_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """free_port() cannot reserve its port; when another process listens on it first, spawn picks a new one."""
+    import socket
+
+    from mcore_compat import launch
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        ports = iter([busy.getsockname()[1]])
+        real = launch.free_port
+        monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or real())
+        assert spawn(_all_reduce, 2, timeout=120) == [3.0, 3.0]
