@@ -20,10 +20,12 @@ LOSS_RTOL = {"fp32": 1e-5, "bf16": 2e-2}
 
 
 def _prepare(opts: SelfCheckOptions) -> list[str]:
+    """Apply the patches this run needs (once per process); returns every patch applied in this process."""
     from .. import patches
 
     purposes = ["apex_less", "te_less", "upstream_bug"] + (["cpu"] if opts.device == "cpu" else [])
-    return patches.apply_for(*purposes)
+    patches.apply_for(*purposes)
+    return patches.applied()
 
 
 def _core(module: Any) -> Any:
