@@ -67,6 +67,20 @@ def prepare_megatron(device: str) -> list[str]:
     return list(patches.apply_for(*purposes))
 
 
+def single_rank_megatron(device: str) -> tuple[list[str], Any]:
+    """Quiet warnings, apply the patches (:func:`prepare_megatron`), join a world of one (gloo or nccl) and
+    initialise model parallelism with TP = PP = 1; returns ``(patch names, parallel_state)``."""
+    quiet()
+    patches = prepare_megatron(device)
+    import mcore_compat as mc
+    from mcore_compat import launch
+
+    launch.init_from_env(device=device)
+    ps = mc.parallel_state
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    return patches, ps
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

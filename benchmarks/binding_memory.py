@@ -154,14 +154,7 @@ def main() -> int:
     p = C.parser(__doc__)
     G.add_args(p)
     args = p.parse_args()
-    C.quiet()
-    patches = C.prepare_megatron(args.device)
-    import mcore_compat as mc
-    from mcore_compat import launch
-
-    launch.init_from_env(device=args.device)
-    ps = mc.parallel_state
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    patches, ps = C.single_rank_megatron(args.device)
     spec = G.spec_from_args(args)
     cases = {"bind_zero_copy": True, "bind_allocated": False, "copy_flat": False}
     results = {name: _case(name, spec, args.seed, distopt) for name, distopt in cases.items()}

@@ -121,16 +121,9 @@ def main() -> int:
     p.add_argument("--no-distopt", action="store_true", help="without the distributed optimizer")
     p.add_argument("--no-overlap", action="store_true", help="without overlap_grad_reduce")
     args = p.parse_args()
-    C.quiet()
-    patches = C.prepare_megatron(args.device)
+    patches, ps = C.single_rank_megatron(args.device)
     import torch
 
-    import mcore_compat as mc
-    from mcore_compat import launch
-
-    launch.init_from_env(device=args.device)
-    ps = mc.parallel_state
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     spec = G.spec_from_args(args)
     warmup, blocks, block_steps = SCHEDULE[args.device]
     warmup = args.warmup if args.warmup is not None else warmup
