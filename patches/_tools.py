@@ -209,6 +209,21 @@ def core_source(relpath: str) -> str | None:
         return None
 
 
+def core_defines(module: str, names: Sequence[str]) -> str | None:
+    """``None`` if ``megatron.core.<module>`` defines every one of ``names`` (once imported: as attributes; before
+    that: in its source text, read without importing it), else what is missing (a patch check's answer)."""
+    path = f"megatron/core/{module.replace('.', '/')}.py"
+    loaded = sys.modules.get(f"megatron.core.{module}")
+    if loaded is not None:
+        missing = [n for n in names if not hasattr(loaded, n)]
+        return f"megatron.core.{module} has no {', '.join(missing)}" if missing else None
+    src = core_source(f"{module.replace('.', '/')}.py")
+    if src is None:
+        return f"{path} not found"
+    missing = [n for n in names if n not in src]
+    return f"{path} does not define {', '.join(missing)}" if missing else None
+
+
 def skipped(patch: str, why: str) -> Undo:
     """Warn that ``patch`` found its target changed when the module was imported, and change nothing."""
     warnings.warn(f"mcore-compat patch {patch!r} did nothing: {why}", RuntimeWarning, stacklevel=3)

@@ -10,7 +10,7 @@ import types
 from typing import Any
 
 from ._registry import Patch, register
-from ._tools import Changes, Undo, core_source, skipped, when_imported
+from ._tools import Changes, Undo, core_defines, core_source, skipped, when_imported
 
 
 # ------------------------------------------------------------------------------------------ fp32opt_abstract
@@ -89,13 +89,7 @@ def _apply_fp8_noop() -> Undo:
 
 
 def _check_fp8_noop() -> str | None:
-    mod = sys.modules.get("megatron.core.fp8_utils")
-    if mod is not None:
-        return None if hasattr(mod, "_quantize_param_shard_impl") else "fp8_utils has no _quantize_param_shard_impl"
-    src = core_source("fp8_utils.py")
-    if src is None or "_quantize_param_shard_impl" not in src:
-        return "megatron/core/fp8_utils.py with _quantize_param_shard_impl not found"
-    return None
+    return core_defines("fp8_utils", ["_quantize_param_shard_impl"])
 
 
 def _te_missing() -> bool:
@@ -167,15 +161,8 @@ def _apply_stale_embedding_ranks() -> Undo:
 
 
 def _check_stale_embedding_ranks() -> str | None:
-    mod = sys.modules.get("megatron.core.parallel_state")
-    if mod is not None:
-        if not hasattr(mod, "destroy_model_parallel") or not hasattr(mod, "_POSITION_EMBEDDING_GLOBAL_RANKS"):
-            return "parallel_state has no destroy_model_parallel or _POSITION_EMBEDDING_GLOBAL_RANKS"
-        return None
-    src = core_source("parallel_state.py")
-    if src is None or "_POSITION_EMBEDDING_GLOBAL_RANKS" not in src or "def destroy_model_parallel" not in src:
-        return "megatron/core/parallel_state.py with _POSITION_EMBEDDING_GLOBAL_RANKS not found"
-    return None
+    return core_defines("parallel_state", ["destroy_model_parallel", "initialize_model_parallel",
+                                           "_POSITION_EMBEDDING_GLOBAL_RANKS"])
 
 
 register(
