@@ -94,13 +94,15 @@ def main() -> int:
         if failed:
             print(proc.stderr[-8000:], flush=True)
             status = 1
-    meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "torch": torch.__version__, "cuda": torch.version.cuda, "gpus": ngpu,
-            "device": torch.cuda.get_device_name(0) if ngpu else None, "python": sys.version.split()[0],
+    meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "gpus": ngpu, "device": torch.cuda.get_device_name(0) if ngpu else None,
+            "python": sys.version.split()[0],
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if ngpu else None}
     (args.out / "environment.json").write_text(json.dumps(meta, indent=2))
-    bundle = {"environment": meta, "runs": {p.stem.removeprefix("gpu-"): json.loads(p.read_text())
-                                            for p in sorted(args.out.glob("gpu-*.json")) if p.stem != "gpu-matrix"}}
-    (args.out / "gpu-matrix.json").write_text(json.dumps(bundle, indent=1))  # one file: easy to fetch back
+    from record_gpu_results import load_bundle  # scripts/ is sys.path[0]
+
+    # One file holding everything: easy to fetch back from the GPU machine.
+    (args.out / "gpu-matrix.json").write_text(json.dumps(load_bundle(args.out), indent=1))
     return status
 
 

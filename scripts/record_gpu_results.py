@@ -22,7 +22,7 @@ RUNS = ROOT / "matrix" / "gpu-runs"
 sys.path.insert(0, str(ROOT))
 
 
-def _load(path: Path) -> dict[str, Any]:
+def load_bundle(path: Path) -> dict[str, Any]:
     """A bundle ``{"environment": {...}, "runs": {version: [run, ...]}}`` from a bundle file or a folder."""
     if path.is_file():
         return json.loads(path.read_text())
@@ -54,7 +54,7 @@ def main() -> int:
     args = parser.parse_args()
     RUNS.mkdir(parents=True, exist_ok=True)
     for path in args.add:
-        bundle = _load(path if path.is_file() or not (path / "gpu-matrix.json").is_file()
+        bundle = load_bundle(path if path.is_file() or not (path / "gpu-matrix.json").is_file()
                        else path / "gpu-matrix.json")
         date = bundle["environment"].get("date") or "undated"
         n = len(list(RUNS.glob(f"{date}*.json")))
@@ -64,7 +64,7 @@ def main() -> int:
     merged: dict[str, dict[tuple[Any, ...], dict[str, Any]]] = {}
     envs: dict[str, dict[str, Any]] = {}
     for path in sorted(RUNS.glob("*.json")):
-        bundle = _load(path)
+        bundle = load_bundle(path)
         env = bundle["environment"]
         for version, runs in bundle["runs"].items():
             for run in runs:
