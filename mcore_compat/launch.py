@@ -1,8 +1,10 @@
-"""Run a function on N local processes in one ``torch.distributed`` group, with a deadline.
+"""Run functions on N local processes in one ``torch.distributed`` group, with a deadline.
 
-This is what ``mcore-compat self-check --nproc N`` and the test-suite use: one spawn per group of
-configurations (spawning and importing torch cost most of the time), failures reported with the rank that
-failed, and a hang ended by a timeout that names the ranks that never answered.
+:func:`spawn` runs one function on fresh processes; :class:`Group` keeps the processes (and their process group)
+alive so that many functions run in them one after another: spawning and importing torch and Megatron cost
+most of the time of a small run, so the test-suite pays it once per release, not once per test module. Both
+report failures with the rank that failed and end a hang with a timeout that names the ranks that never
+answered (after asking them for their Python stacks).
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) use :func:`init_from_env` instead.
 """
@@ -19,12 +21,13 @@ import socket
 import sys
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-__all__ = ["RankFailure", "RankTimeout", "default_backend", "free_port", "init_from_env", "spawn"]
+__all__ = ["Group", "RankFailure", "RankTimeout", "default_backend", "free_port", "init_from_env", "spawn"]
 
 T = TypeVar("T")
 
@@ -86,47 +89,54 @@ def init_from_env(backend: str | None = None, device: str = "cpu", timeout_s: fl
 
 
 @dataclass(frozen=True)
-class _Job:
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
+class _Setup:
+    """What every rank of a group is started with."""
+
     backend: str
     device: str
     env: dict[str, str]
-    timeout_s: float
+    pg_timeout_s: float
 
 
-def _child(rank: int, world: int, port: int, job: _Job, results: Any) -> None:
-    os.environ.update(job.env)
+def _flush_and_exit(results: Any, code: int) -> None:
+    results.close()
+    results.join_thread()  # the last message must leave before the process does
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _child(rank: int, world: int, port: int, setup: _Setup, inbox: Any, results: Any) -> None:
+    """One rank: join the process group, then run the jobs of ``inbox`` until it says ``None``."""
+    os.environ.update(setup.env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if hasattr(signal, "SIGUSR1"):  # the parent asks a hung rank for its Python stacks before stopping it
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
-        init_from_env(job.backend, job.device, job.timeout_s)
-        value = job.fn(*job.args, **job.kwargs)
-        # Plain pickle (not torch's ForkingPickler): tensors travel by value, not as shared-memory handles that
-        # vanish when this process exits.
-        results.put((rank, "ok", pickle.dumps(value)))
-        results.close()
-        results.join_thread()
+        init_from_env(setup.backend, setup.device, setup.pg_timeout_s)
     except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-        results.close()
-        results.join_thread()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    try:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:
-        pass
-    sys.stdout.flush()
-    sys.stderr.flush()
+        results.put((rank, 0, "error", traceback.format_exc()))
+        _flush_and_exit(results, 1)
+    results.put((rank, 0, "ok", pickle.dumps(None)))
+    while True:
+        message = inbox.get()
+        if message is None:
+            break
+        seq = -1
+        try:
+            seq, fn, args, kwargs = pickle.loads(message)
+            value = fn(*args, **kwargs)
+            # Plain pickle (not torch's ForkingPickler): tensors travel by value, not as shared-memory handles
+            # that vanish when this process exits.
+            results.put((rank, seq, "ok", pickle.dumps(value)))
+        except BaseException:
+            results.put((rank, seq, "error", traceback.format_exc()))
+            _flush_and_exit(results, 1)  # peers may be stuck in a collective: the parent stops the group
+    # Leave without tearing down the process group and Python: destroying the hundreds of subgroups Megatron
+    # creates over many runs took seconds, and every rank is going away together anyway.
+    _flush_and_exit(results, 0)
 
 
 def _dump_stacks(procs: Sequence[Any]) -> None:
@@ -142,6 +152,192 @@ def _dump_stacks(procs: Sequence[Any]) -> None:
     time.sleep(1.0)
 
 
+def _stop(procs: Sequence[Any], queues: Sequence[Any]) -> None:
+    """Stop ``procs`` (terminate, then kill) and close ``queues``; safe to call twice."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    for q in queues:
+        q.cancel_join_thread()  # a job nobody will read must not block this process's exit
+        q.close()
+
+
+#: Tries with a fresh rendezvous port when the chosen one was taken in the meantime.
+_PORT_ATTEMPTS = 3
+
+
+class Group:
+    """``nprocs`` local processes forming one ``torch.distributed`` group that run functions one after another.
+
+    The processes start on the first :meth:`run` (or :meth:`start`) and stay until :meth:`close`; every call
+    runs its function on all ranks and returns the per-rank values. A rank that raises, dies or hangs stops the
+    whole group (its peers may be stuck in a collective) and the call raises :class:`RankFailure` or
+    :class:`RankTimeout`; the next call starts fresh processes. A function that leaves state behind (applied
+    patches, Megatron's ``parallel_state``) leaves it for the next one: clean up what must not carry over.
+
+    Example::
+
+        with Group(2, device="cpu") as group:
+            a = group.run(scenario_a)          # [rank 0 value, rank 1 value]
+            b = group.run(scenario_b, args=(3,), timeout=120)
+
+    Args:
+        nprocs: world size.
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (nccl, one GPU per rank).
+        backend: overrides the backend chosen from ``device``.
+        env: extra environment variables for the ranks (set before anything is imported there).
+        pg_timeout: the process group's own timeout for collectives, in seconds.
+    """
+
+    def __init__(self, nprocs: int, *, device: str = "cpu", backend: str | None = None,
+                 env: dict[str, str] | None = None, pg_timeout: float = 600.0) -> None:
+        if nprocs < 1:
+            raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+        self.nprocs = nprocs
+        self._setup = _Setup(backend or default_backend(device), device, dict(env or {}), pg_timeout)
+        self._procs: list[Any] = []
+        self._inboxes: list[Any] = []
+        self._results: Any = None
+        self._seq = 0
+        self._finalizer: Any = None
+        #: How many times processes were started (1 for a group that never failed).
+        self.starts = 0
+
+    @property
+    def device(self) -> str:
+        """``"cpu"`` or ``"cuda"``, as given."""
+        return self._setup.device
+
+    @property
+    def started(self) -> bool:
+        """Whether the ranks are running."""
+        return bool(self._procs)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the ranks (empty before the start)."""
+        return [p.pid for p in self._procs]
+
+    def start(self, timeout: float = 600.0) -> None:
+        """Start the ranks and wait until all joined the process group (a no-op when running)."""
+        deadline = time.monotonic() + timeout
+        for attempt in range(_PORT_ATTEMPTS):
+            if self.started:
+                return
+            self._launch(free_port())
+            try:
+                self._collect(0, deadline, timeout)
+                self.starts += 1
+                return
+            except RankFailure as exc:
+                # free_port() cannot reserve the port: another process may take it before rank 0 listens on it.
+                taken = any("EADDRINUSE" in tb and "init_process_group" in tb for tb in exc.failures.values())
+                if not taken or attempt == _PORT_ATTEMPTS - 1:
+                    raise
+
+    def run(self, fn: Callable[..., T], *, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+            timeout: float = 600.0) -> list[T]:
+        """Run ``fn(*args, **kwargs)`` on every rank; returns the values, index = rank.
+
+        Args:
+            fn: a picklable (module-level) function; its return value must be picklable.
+            timeout: seconds for this call, including the start of the ranks if they are not running.
+
+        Raises:
+            RankFailure: a rank raised (its traceback is included) or exited abnormally; the group is stopped.
+            RankTimeout: ranks were still running at the deadline; the group is stopped.
+        """
+        deadline = time.monotonic() + timeout
+        message = pickle.dumps((self._seq + 1, fn, tuple(args), dict(kwargs or {})))  # unpicklable: raises here
+        self.start(timeout)
+        self._seq += 1
+        for inbox in self._inboxes:
+            inbox.put(message)
+        return self._collect(self._seq, deadline, timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Ask the ranks to leave the process group and exit; stop those that do not within ``timeout``."""
+        if not self.started:
+            return
+        for inbox in self._inboxes:
+            inbox.put(None)
+        end = time.monotonic() + timeout
+        for p in self._procs:
+            p.join(timeout=max(0.1, end - time.monotonic()))
+        self._teardown()
+
+    def __enter__(self) -> Group:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------------ internals
+    def _launch(self, port: int) -> None:
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(self.nprocs)]
+        self._procs = [ctx.Process(target=_child, args=(r, self.nprocs, port, self._setup, self._inboxes[r],
+                                                        self._results), daemon=False)
+                       for r in range(self.nprocs)]
+        for p in self._procs:
+            p.start()
+        # Stops the ranks if the owner forgets close() (at garbage collection or interpreter exit).
+        self._finalizer = weakref.finalize(self, _stop, list(self._procs), [*self._inboxes, self._results])
+
+    def _teardown(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # runs _stop once
+        self._procs, self._inboxes, self._results, self._finalizer = [], [], None, None
+
+    def _collect(self, seq: int, deadline: float, timeout: float) -> list[Any]:
+        """Wait for every rank's answer to message ``seq``; on a failure or at the deadline stop the group."""
+        values: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        procs = self._procs
+
+        def take(item: tuple[int, int, str, Any]) -> None:
+            rank, got, status, payload = item
+            if status == "ok" and got == seq:
+                values[rank] = pickle.loads(payload)
+            elif status != "ok":
+                failures[rank] = payload
+
+        def pending() -> list[int]:
+            return [r for r in range(self.nprocs) if r not in values and r not in failures]
+
+        try:
+            while pending() and not failures:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    _dump_stacks([procs[r] for r in pending()])
+                    raise RankTimeout(pending(), timeout)
+                try:
+                    take(self._results.get(timeout=min(remaining, 0.5)))
+                    continue
+                except queue.Empty:
+                    pass
+                dead = [r for r in pending() if not procs[r].is_alive()]
+                if dead:
+                    try:  # a rank that exited may still have its message in flight
+                        take(self._results.get(timeout=1.0))
+                    except queue.Empty:
+                        for r in dead:
+                            failures[r] = f"process exited with status {procs[r].exitcode} without reporting a result"
+        except BaseException:
+            self._teardown()
+            raise
+        if failures:
+            self._teardown()
+            raise RankFailure(failures)
+        return [values[r] for r in range(self.nprocs)]
+
+
 def spawn(
     fn: Callable[..., T],
     nprocs: int,
@@ -153,7 +349,8 @@ def spawn(
     timeout: float = 600.0,
     env: dict[str, str] | None = None,
 ) -> list[T]:
-    """Run ``fn(*args, **kwargs)`` on ``nprocs`` fresh processes forming one process group.
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` fresh processes forming one process group (a :class:`Group`
+    used once).
 
     Args:
         fn: a picklable (module-level) function; its return value must be picklable.
@@ -170,72 +367,5 @@ def spawn(
         RankFailure: a rank raised (its traceback is included) or exited abnormally.
         RankTimeout: ranks were still running at the deadline.
     """
-    if nprocs < 1:
-        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    job = _Job(fn, tuple(args), dict(kwargs or {}), backend or default_backend(device), device,
-               dict(env or {}), timeout)
-    for attempt in range(_PORT_ATTEMPTS):
-        try:
-            return _run_group(job, nprocs, free_port())
-        except RankFailure as exc:
-            # free_port() cannot reserve the port: another process may take it before rank 0 listens on it.
-            taken = any("EADDRINUSE" in tb and "init_process_group" in tb for tb in exc.failures.values())
-            if not taken or attempt == _PORT_ATTEMPTS - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
-#: Tries with a fresh rendezvous port when the chosen one was taken in the meantime.
-_PORT_ATTEMPTS = 3
-
-
-def _run_group(job: _Job, nprocs: int, port: int) -> list[Any]:
-    timeout = job.timeout_s
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, nprocs, port, job, results), daemon=False)
-             for r in range(nprocs)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    values: dict[int, Any] = {}
-    failures: dict[int, str] = {}
-
-    def _take(item: tuple[int, str, Any]) -> None:
-        rank, status, payload = item
-        if status == "ok":
-            values[rank] = pickle.loads(payload)
-        else:
-            failures[rank] = payload
-
-    try:
-        while len(values) + len(failures) < nprocs and not failures:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                _dump_stacks([p for r, p in enumerate(procs) if r not in values and r not in failures])
-                raise RankTimeout([r for r in range(nprocs) if r not in values and r not in failures], timeout)
-            try:
-                _take(results.get(timeout=min(remaining, 0.5)))
-                continue
-            except queue.Empty:
-                pass
-            dead = [r for r, p in enumerate(procs) if r not in values and r not in failures and not p.is_alive()]
-            if dead:
-                try:  # a rank that exited may still have its message in flight
-                    _take(results.get(timeout=1.0))
-                except queue.Empty:
-                    for r in dead:
-                        failures[r] = f"process exited with status {procs[r].exitcode} without reporting a result"
-        if failures:
-            raise RankFailure(failures)
-        return [values[r] for r in range(nprocs)]
-    finally:
-        for p in procs:
-            if p.is_alive() and (failures or len(values) < nprocs):
-                p.terminate()
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        results.close()
+    with Group(nprocs, device=device, backend=backend, env=env, pg_timeout=timeout) as group:
+        return group.run(fn, args=args, kwargs=kwargs, timeout=timeout)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import pickle
 import time
 
 import pytest
 
-from mcore_compat.launch import RankFailure, RankTimeout, spawn
+from mcore_compat.launch import Group, RankFailure, RankTimeout, spawn
 
 
 def _all_reduce() -> float:
@@ -97,3 +98,51 @@ def test_a_taken_rendezvous_port_is_retried_with_another(monkeypatch: pytest.Mon
         real = launch.free_port
         monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or real())
         assert spawn(_all_reduce, 2, timeout=120) == [3.0, 3.0]
+
+
+# ------------------------------------------------------------------------------- Group: many runs in one group
+_STATE: list[int] = []
+
+
+def _pid_and_count() -> tuple[int, int]:
+    """This rank's pid and how many times it ran this function (module state survives between runs)."""
+    _STATE.append(1)
+    return os.getpid(), len(_STATE)
+
+
+def test_group_runs_many_functions_in_the_same_processes() -> None:
+    with Group(2) as group:
+        first = group.run(_pid_and_count, timeout=120)
+        assert group.run(_all_reduce, timeout=60) == [3.0, 3.0]
+        second = group.run(_pid_and_count, timeout=60)
+        assert [pid for pid, _ in first] == [pid for pid, _ in second] == group.pids
+        assert [n for _, n in first] == [1, 1] and [n for _, n in second] == [2, 2]
+        assert group.starts == 1
+    assert not group.started
+
+
+def test_group_restarts_fresh_processes_after_a_failure() -> None:
+    with Group(2) as group:
+        before = group.run(_pid_and_count, timeout=120)
+        with pytest.raises(RankFailure) as err:
+            group.run(_rank_one_raises, timeout=60)
+        assert list(err.value.failures) == [1] and not group.started
+        after = group.run(_pid_and_count, timeout=120)
+        assert {pid for pid, _ in after}.isdisjoint(pid for pid, _ in before)
+        assert [n for _, n in after] == [1, 1]  # fresh processes: no state from before the failure
+        assert group.starts == 2
+
+
+def test_group_hang_stops_the_group_at_the_deadline() -> None:
+    with Group(2) as group:
+        group.start(timeout=120)
+        with pytest.raises(RankTimeout) as err:
+            group.run(_rank_zero_hangs, timeout=20)
+        assert err.value.ranks == [0] and not group.started
+
+
+def test_group_refuses_an_unpicklable_function_before_sending_it() -> None:
+    group = Group(1)
+    with pytest.raises((AttributeError, TypeError, pickle.PicklingError)):
+        group.run(lambda: 1, timeout=60)
+    assert not group.started  # refused before any process was started
