@@ -63,8 +63,7 @@ def prepare_megatron(device: str) -> list[str]:
     """
     from mcore_compat import patches
 
-    purposes = ["apex_less", "te_less", "upstream_bug"] + (["cpu"] if device == "cpu" else [])
-    return list(patches.apply_for(*purposes))
+    return patches.apply_for_device(device)
 
 
 def single_rank_megatron(device: str) -> tuple[list[str], Any]:

@@ -21,8 +21,7 @@ def train(tp: int, distopt: bool, bf16: bool, device: str) -> list[float]:
     """Run on every rank; returns the losses of this rank."""
     from mcore_compat import patches
 
-    if device == "cpu":
-        patches.apply_for("cpu")  # before megatron is imported
+    patches.apply_for_device(device)  # before megatron is imported: apex-/TE-less releases, the CPU harness
     import torch
 
     import mcore_compat as mc

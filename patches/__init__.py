@@ -4,6 +4,7 @@ Nothing here is applied on ``import mcore_compat``. Patches are applied explicit
 
     from mcore_compat import patches
     patches.apply_for("cpu")            # the CPU/gloo harness for the detected release (tests, --device cpu)
+    patches.apply_for_device("cuda")    # everything a run on this device needs (what the self-check applies)
     patches.apply("fp8_noop")           # one patch by name; refused outside its versions
     patches.applied()                   # what is applied now
     patches.revert_all()                # undo, in reverse order
@@ -22,9 +23,11 @@ from ._registry import (
     applied,
     apply,
     apply_for,
+    apply_for_device,
     get,
     list_patches,
     patched,
+    purposes_for_device,
     register,
     revert,
     revert_all,
@@ -37,9 +40,11 @@ __all__ = [
     "applied",
     "apply",
     "apply_for",
+    "apply_for_device",
     "get",
     "list_patches",
     "patched",
+    "purposes_for_device",
     "register",
     "revert",
     "revert_all",

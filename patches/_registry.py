@@ -150,6 +150,21 @@ def apply_for(*purposes: str, version: Version | str | None = None) -> list[str]
     return done
 
 
+def purposes_for_device(device: str) -> tuple[str, ...]:
+    """The purposes a run on ``device`` (``"cpu"`` or ``"cuda"``) needs: ``apex_less``, ``te_less`` and
+    ``upstream_bug`` everywhere (no apex or TransformerEngine is assumed; each patch applies only where it is
+    needed), plus the ``cpu`` harness on a CPU."""
+    if device not in ("cpu", "cuda"):
+        raise PatchError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    return ("apex_less", "te_less", "upstream_bug") + (("cpu",) if device == "cpu" else ())
+
+
+def apply_for_device(device: str, version: Version | str | None = None) -> list[str]:
+    """``apply_for(*purposes_for_device(device))``: what the self-check, the benchmarks and the tests apply
+    before Megatron is imported. Returns the names applied by this call (:func:`applied` lists all)."""
+    return apply_for(*purposes_for_device(device), version=version)
+
+
 def applied() -> list[str]:
     """Names of the applied patches, in application order."""
     return list(_APPLIED)

@@ -563,4 +563,5 @@ def run_all() -> dict[str, Any]:
         except Exception:
             results[name] = {"status": "error", "error": traceback.format_exc()}
             dist.barrier()
+    _ps().destroy_model_parallel()  # the session's ranks run other modules next
     return {"version": version, "patches": patches, "cases": results}

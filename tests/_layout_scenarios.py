@@ -158,7 +158,7 @@ def _apply_cpu_patches() -> None:
     try:
         from mcore_compat import patches
 
-        patches.apply_for("cpu", "apex_less", "te_less", "upstream_bug")
+        patches.apply_for_device("cpu")
     except ImportError:
         import torch
 

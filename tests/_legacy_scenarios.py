@@ -117,7 +117,8 @@ def _cpu_patches() -> None:
     try:
         from mcore_compat import patches  # type: ignore[attr-defined]
 
-        patches.apply_for("cpu")
+        # the same purposes as every other module on the session's shared ranks (before megatron is imported)
+        patches.apply_for_device("cpu")
     except Exception:
         pass
     try:

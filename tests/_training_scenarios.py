@@ -78,7 +78,8 @@ def _patches_module() -> Any:
 def apply_patches() -> list[str]:
     """The CPU harness patches for the detected release, before megatron is imported."""
     patches = _patches_module()
-    return patches.apply_for("cpu", "apex_less", "te_less", "upstream_bug")
+    patches.apply_for_device("cpu")
+    return patches.applied()  # all of this process's (an earlier module on the same ranks may have applied them)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -355,4 +356,7 @@ def run_all() -> dict[str, Any]:
         except Exception:
             results[case.name] = {"case": case.name, "status": "error", "error": traceback.format_exc()}
             dist.barrier()
+    from mcore_compat.training._common import parallel_state
+
+    parallel_state().destroy_model_parallel()  # the session's ranks run other modules next
     return {"version": version, "patches": patches, "cases": results}

@@ -1,7 +1,7 @@
 """Parameter binding (issue 4 items 3-6): ``bind_params``, ``verify``, views/manifest, ``gather_pipeline`` and
 ``gather_pipeline_flat``, ``unbind``.
 
-ONE module-scoped ``spawn(run_all, 2)`` runs every configuration (tests/_binding_scenarios.py) in one gloo group;
+ONE module-scoped ``run_all`` on the session's 2 gloo ranks (``rank_group``) runs every configuration (tests/_binding_scenarios.py) in one gloo group;
 the tests below only assert. Unit tests (no megatron-core) cover the manifest and the error texts.
 """
 
@@ -135,14 +135,12 @@ def test_unwrapped_model_is_refused_with_what_to_do() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# against the installed release: one spawn for everything
+# against the installed release: one run on the session's ranks for everything
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, Any]:
-    from mcore_compat.launch import spawn
-
-    per_rank = spawn(SCENARIOS.run_all, 2, timeout=300)
+def results(rank_group: Any) -> dict[str, Any]:
+    per_rank = rank_group.run(SCENARIOS.run_all, timeout=300)
     return {"version": per_rank[0]["version"], "ranks": [r["cases"] for r in per_rank]}
 
 

@@ -2,7 +2,7 @@
 
 Unit tests check the arithmetic of api-drift.md section C (the worked examples of C.5 and small hand-computed
 models for each rule of C.2). Tests marked ``mcore`` build real Megatron-Core DDP wrappers for many
-configurations inside ONE spawn of 2 gloo ranks (see ``_layout_scenarios.py``) and assert that what Megatron
+configurations inside ONE run on the session's 2 gloo ranks (``rank_group``) (see ``_layout_scenarios.py``) and assert that what Megatron
 built (``layout_of``) equals what ``compute_layout`` predicts.
 """
 
@@ -301,10 +301,8 @@ def test_fact_table_covers_every_release_once() -> None:
 
 
 @pytest.fixture(scope="module")
-def megatron_results() -> list[dict[str, Any]]:
-    from mcore_compat.launch import spawn
-
-    return spawn(run_layout_cases, 2, timeout=400)
+def megatron_results(rank_group: Any) -> list[dict[str, Any]]:
+    return rank_group.run(run_layout_cases, timeout=400)
 
 
 @pytest.mark.mcore

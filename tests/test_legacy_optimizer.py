@@ -252,9 +252,9 @@ MEGATRON_CONFIGS = [
 
 @pytest.mark.mcore
 @pytest.mark.skipif(_megatron_has_core_optimizer(), reason="release has megatron.core.optimizer (>= 0.6)")
-def test_megatron_legacy_ddp_two_ranks() -> None:
+def test_megatron_legacy_ddp_two_ranks(rank_group: Any) -> None:
     """Real 0.4/0.5 DDP on 2 gloo ranks: every config equals the unsharded torch reference; ranks agree."""
-    r0, r1 = spawn(SCENARIOS.megatron_all, 2, args=(MEGATRON_CONFIGS,), timeout=500)
+    r0, r1 = rank_group.run(SCENARIOS.megatron_all, args=(MEGATRON_CONFIGS,), timeout=500)
     assert len(r0) == len(MEGATRON_CONFIGS)
     for name, res in r0.items():
         print(f"{name}: max|diff| vs torch = {res['diff']:.3g}, norms {res['norms']} ref {res['ref_norms']}")

@@ -1,11 +1,12 @@
 """The self-check against the installed release: the standard sweep passes, and every negative control FAILS
-naming the right check (one process group of 2 gloo ranks for all of it)."""
+naming the right check (on the session's 2 gloo ranks, ``rank_group``; world size 4 in its own group)."""
 
 from __future__ import annotations
 
 import pytest
 from packaging.version import Version
 
+from mcore_compat.launch import Group
 from mcore_compat.selfcheck import Report, SelfCheckOptions, run_sweep, standard_sweep
 
 pytestmark = pytest.mark.mcore
@@ -37,12 +38,12 @@ def _negatives() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def sweep() -> dict[str, Report]:
+def sweep(rank_group: Group) -> dict[str, Report]:
     positive = standard_sweep(2, model="gpt", steps=2)
     positive.append(SelfCheckOptions(tp=1, distributed_optimizer=True, dtype="bf16", model="gpt", steps=2))
     negative = [SelfCheckOptions(tp=1, model="mlp", steps=2, fault=f, **{"bind": False, **NEGATIVE[f][0]})
                 for f in _negatives()]
-    reports = run_sweep(positive + negative, 2, device="cpu", timeout=900)
+    reports = run_sweep(positive + negative, 2, device="cpu", timeout=900, group=rank_group)
     names = [f"tp{c.tp or 1}-pp{c.pp or 1}-{'distopt' if c.distributed_optimizer else 'plain'}-{c.dtype}"
              for c in positive]
     return dict(zip(names + [c.fault for c in negative], reports, strict=True))
@@ -73,11 +74,9 @@ def test_negative_control_fails_the_right_check(sweep: dict[str, Report], fault:
 
 # ------------------------------------------------------------------------ check_training_step on the caller's model
 @pytest.fixture(scope="module")
-def own_model() -> dict[str, dict]:
-    from mcore_compat.launch import spawn
-
+def own_model(rank_group: Group) -> dict[str, dict]:
     scenarios = pytest.importorskip("_own_model_scenarios")
-    return spawn(scenarios.run_all, 2, device="cpu", timeout=600)[0]
+    return rank_group.run(scenarios.run_all, timeout=600)[0]
 
 
 #: case -> (report ok, checks that must be present and fail)
@@ -120,3 +119,11 @@ def test_world_size_4_pipeline_with_binding(world4: dict[str, Report], name: str
     passed = {c.name for c in report.checks if c.passed}
     assert {"pipeline_gather_matches", "binding_verified", "bound_buffer_current", "update_matches_reference",
             "grad_norm_matches_reference", "dp_ranks_identical"} <= passed, report.render()
+
+
+def test_sweep_refuses_a_group_that_does_not_match(rank_group: Group) -> None:
+    """A sweep for 4 ranks handed the session's 2-rank group: a clear error before anything runs."""
+    from mcore_compat.selfcheck import UsageError
+
+    with pytest.raises(UsageError, match=r"the group has 2 rank.*asks for 4"):
+        run_sweep(list(WORLD4.values()), 4, device="cpu", group=rank_group)

@@ -1,7 +1,7 @@
 """The training-step API (issue 3) against the installed megatron-core: one step through mcore_compat equals plain
 PyTorch.
 
-ONE module-scoped ``spawn(run_all, 2)`` runs every configuration (tests/_training_scenarios.py) in one gloo group;
+ONE module-scoped ``run_all`` on the session's 2 gloo ranks (``rank_group``) runs every configuration (tests/_training_scenarios.py) in one gloo group;
 the tests below are parametrised over the configurations and only assert.
 
 Reference: the unsharded model, the same initial weights and data (all DP ranks' microbatches), mean loss,
@@ -93,14 +93,12 @@ def test_configs_accept_mappings_and_foreign_dataclasses() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# against the installed release: one spawn for everything
+# against the installed release: one run on the session's ranks for everything
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, Any]:
-    from mcore_compat.launch import spawn
-
-    per_rank = spawn(SCENARIOS.run_all, 2, timeout=300)
+def results(rank_group: Any) -> dict[str, Any]:
+    per_rank = rank_group.run(SCENARIOS.run_all, timeout=300)
     return {"version": per_rank[0]["version"], "ranks": [r["cases"] for r in per_rank]}
 
 

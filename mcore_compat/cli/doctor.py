@@ -123,8 +123,7 @@ def _prepare_import() -> None:
 
     from .. import patches
 
-    purposes = ["apex_less", "te_less"] + ([] if torch.cuda.is_available() else ["cpu"])
-    patches.apply_for(*purposes)
+    patches.apply_for_device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _symbols(version: Any) -> list[dict[str, Any]]:

@@ -7,8 +7,8 @@ import threading
 from datetime import timedelta
 from typing import Any
 
-from ..launch import RankFailure, RankTimeout, spawn
-from .options import SelfCheckOptions
+from ..launch import Group, RankFailure, RankTimeout, spawn
+from .options import SelfCheckOptions, UsageError
 from .report import Check, Report, merge_rank_checks
 
 __all__ = ["run", "run_sweep", "standard_sweep"]
@@ -120,11 +120,14 @@ def _spawned_sweep(configs: list[SelfCheckOptions]) -> list[tuple[list[Check], d
 
 
 def run_sweep(configs: list[SelfCheckOptions], nproc: int, *, device: str | None = None,
-              timeout: float = 900.0) -> list[Report]:
+              timeout: float = 900.0, group: Group | None = None) -> list[Report]:
     """Run several self-check configurations inside ONE group of ``nproc`` spawned ranks.
 
     Spawning processes and importing torch/Megatron dominate a small self-check, so the test matrix checks all
     its configurations this way. Every configuration must fit the world size (``tp*pp*dp == nproc``).
+
+    ``group``: run in these already running ranks (a :class:`mcore_compat.launch.Group` of ``nproc`` ranks on
+    ``device``) instead of fresh ones; the patches the self-check applies stay applied there.
 
     Returns:
         One :class:`Report` per configuration, in order. A configuration that raised on some rank gets
@@ -134,9 +137,15 @@ def run_sweep(configs: list[SelfCheckOptions], nproc: int, *, device: str | None
 
     resolved = [replace(c, nproc=nproc, device=device or c.device).resolved() for c in configs]
     reports = [Report(settings={k: v for k, v in c.as_dict().items() if k != "timeout"}) for c in resolved]
+    run_on = resolved[0].device or "cpu"
+    if group is not None and (group.nprocs != nproc or group.device != run_on):
+        raise UsageError(f"run_sweep: the group has {group.nprocs} rank(s) on {group.device!r}, the sweep asks for "
+                         f"{nproc} on {run_on!r}; pass a Group(nproc, device=...) that matches, or no group")
     try:
-        per_rank = spawn(_spawned_sweep, nproc, args=(resolved,), device=resolved[0].device or "cpu",
-                         timeout=timeout)
+        if group is not None:
+            per_rank = group.run(_spawned_sweep, args=(resolved,), timeout=timeout)
+        else:
+            per_rank = spawn(_spawned_sweep, nproc, args=(resolved,), device=run_on, timeout=timeout)
     except (RankFailure, RankTimeout) as exc:
         for r in reports:
             r.error = str(exc)

@@ -23,8 +23,7 @@ def _prepare(opts: SelfCheckOptions) -> list[str]:
     """Apply the patches this run needs (once per process); returns every patch applied in this process."""
     from .. import patches
 
-    purposes = ["apex_less", "te_less", "upstream_bug"] + (["cpu"] if opts.device == "cpu" else [])
-    patches.apply_for(*purposes)
+    patches.apply_for_device(opts.device or "cpu")
     return patches.applied()
 
 

@@ -1,5 +1,6 @@
 """pytest setup for the PPO-actor example: ``examples/`` on ``sys.path`` (here and, through multiprocessing, in the
-spawned ranks), and the root suite's rule that ``mcore``-marked tests are skipped without megatron-core."""
+spawned ranks), the root suite's rule that ``mcore``-marked tests are skipped without megatron-core, and its
+session-wide ``rank_group`` fixture."""
 
 from __future__ import annotations
 
@@ -24,5 +25,8 @@ def _load_root_conftest() -> object:
     return module
 
 
-#: The root tests/conftest.py hook: skip ``mcore`` tests (with the reason) when megatron-core is not importable.
-pytest_collection_modifyitems = _load_root_conftest().pytest_collection_modifyitems  # type: ignore[attr-defined]
+_ROOT = _load_root_conftest()
+#: The root tests/conftest.py hooks: skip ``mcore`` tests (with the reason) when megatron-core is not importable;
+#: the session's shared ``rank_group`` fixture (one group of 2 ranks for both suites when run together).
+pytest_collection_modifyitems = _ROOT.pytest_collection_modifyitems  # type: ignore[attr-defined]
+pytest_configure = _ROOT.pytest_configure  # type: ignore[attr-defined]

@@ -1,6 +1,6 @@
 """The PPO actor against the installed megatron-core: DP=2 and TP=2, distributed optimizer off and on.
 
-ONE module-scoped ``spawn(run_all, 2)`` runs every configuration in one gloo group (``_scenarios.py``); the tests
+ONE module-scoped ``run_all`` on the session's 2 gloo ranks (``rank_group``) runs every configuration (``_scenarios.py``); the tests
 below only assert on what it returned.
 """
 
@@ -22,10 +22,8 @@ pytestmark = pytest.mark.mcore
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, Any]:
-    from mcore_compat.launch import spawn
-
-    per_rank = spawn(SC.run_all, 2, device="cpu", timeout=300)
+def results(rank_group: Any) -> dict[str, Any]:
+    per_rank = rank_group.run(SC.run_all, timeout=300)
     return {"version": per_rank[0]["version"], "ranks": [r["cases"] for r in per_rank]}
 
 
