@@ -297,6 +297,28 @@ def test_apply_for_order_and_idempotence() -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_apply_for_device_is_apply_for_of_its_purposes(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a run on a device applies: the CPU harness only on a CPU, the rest everywhere."""
+    from mcore_compat.patches import _registry
+
+    purposes = patches.purposes_for_device(device)
+    assert ("cpu" in purposes) is (device == "cpu")
+    assert {"apex_less", "te_less", "upstream_bug"} <= set(purposes)
+    calls: list[tuple[tuple[str, ...], object]] = []
+    monkeypatch.setattr(_registry, "apply_for", lambda *p, version=None: calls.append((p, version)) or ["x"])
+    assert patches.apply_for_device(device, version="0.7.0") == ["x"]
+    assert calls == [(purposes, "0.7.0")]
+
+
+@pytest.mark.unit
+def test_apply_for_device_refuses_an_unknown_device() -> None:
+    with pytest.raises(PatchError, match="'cpu' or 'cuda'"):
+        patches.apply_for_device("tpu")
+    assert patches.applied() == []
+
+
+@pytest.mark.unit
 def test_patched_context_manager_reverts() -> None:
     before = _snapshot()
     with patches.patched("cpu", version="0.10.0") as names:
