@@ -703,20 +703,17 @@ def gather_pipeline_flat(binding: ParamBinding, *, dst: int | None = None, group
     for stage, (src, manifest) in enumerate(zip(ranks, manifests, strict=True)):
         if stage == me:
             flats = binding.flat_buffers()
-            for flat in flats:
-                if dst is None:
-                    dist.broadcast(flat, src=src, group=group)
-                elif dst != me:
-                    dist.send(flat, dst=ranks[dst], group=group)
         elif receive:
             flats = binding._stage_receive_buffers(ranks, stage, manifest, device, reuse_buffers)
-            for flat in flats:
-                if dst is None:
-                    dist.broadcast(flat, src=src, group=group)
-                else:
-                    dist.recv(flat, src=src, group=group)
         else:
             continue
+        for flat in flats:
+            if dst is None:
+                dist.broadcast(flat, src=src, group=group)
+            elif stage != me:
+                dist.recv(flat, src=src, group=group)
+            elif dst != me:
+                dist.send(flat, dst=ranks[dst], group=group)
         if receive:
             out.append(StageBuffers(stage, manifest, flats))
     return out
