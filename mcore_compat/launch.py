@@ -96,6 +96,7 @@ class _Setup:
     device: str
     env: dict[str, str]
     pg_timeout_s: float
+    destroy_subgroups: bool = False
 
 
 def _flush_and_exit(results: Any, code: int) -> None:
@@ -104,6 +105,23 @@ def _flush_and_exit(results: Any, code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _subgroups() -> set[Any]:
+    """The process groups this process holds now (torch's registry; empty where a torch lacks it)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    world = getattr(c10d, "_world", None)
+    return set(getattr(world, "pg_map", {}))
+
+
+def _destroy_subgroups_since(before: set[Any]) -> None:
+    """Destroy the process groups created since ``before`` was taken (never the default group)."""
+    import torch.distributed as dist
+
+    for pg in _subgroups() - before:
+        if pg is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(pg)
 
 
 def _child(rank: int, world: int, port: int, setup: _Setup, inbox: Any, results: Any) -> None:
@@ -127,7 +145,10 @@ def _child(rank: int, world: int, port: int, setup: _Setup, inbox: Any, results:
         seq = -1
         try:
             seq, fn, args, kwargs = pickle.loads(message)
+            before = _subgroups() if setup.destroy_subgroups else set()
             value = fn(*args, **kwargs)
+            if setup.destroy_subgroups:
+                _destroy_subgroups_since(before)
             # Plain pickle (not torch's ForkingPickler): tensors travel by value, not as shared-memory handles
             # that vanish when this process exits.
             results.put((rank, seq, "ok", pickle.dumps(value)))
@@ -192,14 +213,20 @@ class Group:
         backend: overrides the backend chosen from ``device``.
         env: extra environment variables for the ranks (set before anything is imported there).
         pg_timeout: the process group's own timeout for collectives, in seconds.
+        destroy_subgroups: after every run, destroy the process groups the run created. Megatron creates dozens
+            per ``initialize_model_parallel`` and ``destroy_model_parallel`` only forgets them; gloo keeps two
+            threads for each, so a long-lived group of ranks collects thousands of threads. The run must not
+            leave anything that uses them (end it with ``destroy_model_parallel``).
     """
 
     def __init__(self, nprocs: int, *, device: str = "cpu", backend: str | None = None,
-                 env: dict[str, str] | None = None, pg_timeout: float = 600.0) -> None:
+                 env: dict[str, str] | None = None, pg_timeout: float = 600.0,
+                 destroy_subgroups: bool = False) -> None:
         if nprocs < 1:
             raise ValueError(f"nprocs must be >= 1, got {nprocs}")
         self.nprocs = nprocs
-        self._setup = _Setup(backend or default_backend(device), device, dict(env or {}), pg_timeout)
+        self._setup = _Setup(backend or default_backend(device), device, dict(env or {}), pg_timeout,
+                             destroy_subgroups)
         self._procs: list[Any] = []
         self._inboxes: list[Any] = []
         self._results: Any = None

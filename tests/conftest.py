@@ -45,7 +45,7 @@ def _rank_group() -> Iterator[Any]:
     """2 gloo ranks shared by every module (started on first use, stopped at the end of the session)."""
     from mcore_compat.launch import Group
 
-    with Group(2, device="cpu") as group:
+    with Group(2, device="cpu", destroy_subgroups=True) as group:
         yield group
 
 

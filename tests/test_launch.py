@@ -146,3 +146,26 @@ def test_group_refuses_an_unpicklable_function_before_sending_it() -> None:
     with pytest.raises((AttributeError, TypeError, pickle.PicklingError)):
         group.run(lambda: 1, timeout=60)
     assert not group.started  # refused before any process was started
+
+
+def _count_groups() -> int:
+    from torch.distributed import distributed_c10d as c10d
+
+    return len(c10d._world.pg_map)
+
+
+def _make_two_groups() -> int:
+    import torch.distributed as dist
+
+    dist.new_group([0, 1])
+    dist.new_group([0, 1], backend="gloo")
+    return _count_groups()
+
+
+@pytest.mark.parametrize("destroy", [True, False])
+def test_group_destroys_the_subgroups_a_run_created(destroy: bool) -> None:
+    """Megatron creates dozens of groups per initialisation; a long-lived group of ranks must be able to drop them."""
+    with Group(2, destroy_subgroups=destroy) as group:
+        base = group.run(_count_groups, timeout=120)
+        assert group.run(_make_two_groups, timeout=60) == [b + 2 for b in base]
+        assert group.run(_count_groups, timeout=60) == (base if destroy else [b + 2 for b in base])
