@@ -214,7 +214,7 @@ class Group:
         env: extra environment variables for the ranks (set before anything is imported there).
         pg_timeout: the process group's own timeout for collectives, in seconds.
         destroy_subgroups: after every run, destroy the process groups the run created. Megatron creates dozens
-            per ``initialize_model_parallel`` and ``destroy_model_parallel`` only forgets them; gloo keeps two
+            per ``initialize_model_parallel`` and ``destroy_model_parallel`` only forgets them; gloo keeps three
             threads for each, so a long-lived group of ranks collects thousands of threads. The run must not
             leave anything that uses them (end it with ``destroy_model_parallel``).
     """
