@@ -40,6 +40,16 @@ class SelfCheckOptions:
         seed: seed of init and data.
         timeout: seconds before a hung run is stopped (ranks named).
         fault: a deliberate fault for negative controls (the checks must then FAIL): one of :data:`FAULTS`.
+        sequence_parallel: Megatron's sequence parallelism (needs tp > 1); ``None`` = on when tp > 1.
+        tie_embeddings: GPT input embedding and output layer share one weight (Megatron-LM's default); at
+            pp > 1 the first and last stage each hold a copy, kept equal by ``finalize_model_grads``.
+        vpp: virtual pipeline stages (model chunks) per pipeline rank; ``None`` = 1 (needs pp > 1).
+        overlap: ``overlap_grad_reduce`` and, with the distributed optimizer, ``overlap_param_gather``.
+        experts: MoE experts per MoE layer (0 = dense GPT); ``ep`` = expert-parallel size (default 1).
+        weight_decay: decoupled weight decay of the weights; biases and norms (1-D params) get none, as
+            Megatron-LM sets the groups.
+        clip_grad: global gradient-norm clipping threshold (0 = off).
+        grad_reduce_in_fp32: keep and reduce gradients in fp32; ``None`` = on for bf16.
     """
 
     nproc: int | None = None
@@ -56,6 +66,15 @@ class SelfCheckOptions:
     seed: int = 1234
     timeout: float = 300.0
     fault: str | None = None
+    sequence_parallel: bool | None = None
+    tie_embeddings: bool = True
+    vpp: int | None = None
+    overlap: bool = False
+    experts: int = 0
+    ep: int | None = None
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    grad_reduce_in_fp32: bool | None = None
 
     def world_size(self) -> int:
         """The world size these options run on."""
@@ -104,7 +123,24 @@ class SelfCheckOptions:
                 raise UsageError("--device cuda but torch sees no GPU; use --device cpu")
             if self.nproc and self.nproc > torch.cuda.device_count():
                 raise UsageError(f"--nproc {self.nproc} > {torch.cuda.device_count()} visible GPUs")
-        return replace(self, tp=tp, pp=pp, dp=dp, device=device)
+        sp = self.sequence_parallel if self.sequence_parallel is not None else tp > 1
+        if sp and tp < 2:
+            raise UsageError("--sequence-parallel needs --tp >= 2")
+        vpp = self.vpp or 1
+        if vpp < 1 or (vpp > 1 and pp < 2):
+            raise UsageError(f"--vpp {vpp} needs --pp >= 2 (virtual stages split each pipeline rank's layers)")
+        ep = self.ep or 1
+        if self.experts < 0 or ep < 1:
+            raise UsageError(f"--experts must be >= 0 and --ep >= 1, got experts={self.experts} ep={ep}")
+        if ep > 1 and (not self.experts or self.experts % ep or (tp * dp) % ep):
+            raise UsageError(f"--ep {ep} needs --experts divisible by it and dividing tp*dp = {tp * dp}")
+        if self.experts and self.model != "gpt":
+            raise UsageError("--experts needs --model gpt")
+        if self.weight_decay < 0 or self.clip_grad < 0 or self.lr < 0:
+            raise UsageError("--lr, --weight-decay and --clip-grad must be >= 0")
+        fp32_grads = self.grad_reduce_in_fp32 if self.grad_reduce_in_fp32 is not None else self.dtype == "bf16"
+        return replace(self, tp=tp, pp=pp, dp=dp, device=device, sequence_parallel=sp, vpp=vpp, ep=ep,
+                       grad_reduce_in_fp32=fp32_grads)
 
     def as_dict(self) -> dict[str, Any]:
         """The options as a plain dict (for reports)."""
