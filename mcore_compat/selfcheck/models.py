@@ -121,3 +121,39 @@ def make_batches(opts: SelfCheckOptions, dp_rank: int) -> list[Batch]:
         target = torch.randn(SEQ, MICRO_BATCH, HIDDEN, generator=g)
         out.append(Batch(*(t.to(device) for t in (tokens, labels, pos, mask, x, target))))
     return out
+
+
+def init_parallel(opts: SelfCheckOptions) -> None:
+    """Initialise Megatron's model-parallel state for ``opts`` (destroying any previous one) and seed."""
+    import torch
+
+    ps = _symbols().resolve("parallel_state")
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=opts.tp or 1, pipeline_model_parallel_size=opts.pp or 1)
+    torch.manual_seed(opts.seed)
+    _symbols().resolve("model_parallel_cuda_manual_seed")(opts.seed)
+
+
+def build_chunks(opts: SelfCheckOptions) -> tuple[list[Any], Any]:
+    """This rank's model chunks and their config."""
+    module, config = build_model(opts)
+    return [module], config
+
+
+def forward_step(opts: SelfCheckOptions) -> Any:
+    """The ``forward_step_func`` the schedules call: the model's output and a mean-loss function."""
+    def step(data_iterator: Any, model: Any) -> Any:
+        b = next(data_iterator)
+        if opts.model == "gpt":
+            out = model(b.tokens, b.position_ids, b.attention_mask, labels=b.labels)
+        else:
+            out = model(b.x)
+
+        def loss_func(output: Any) -> Any:
+            loss = output.float().mean() if opts.model == "gpt" else ((output.float() - b.target) ** 2).mean()
+            return loss, {"loss": loss.detach().clone()}
+
+        return out, loss_func
+
+    return step

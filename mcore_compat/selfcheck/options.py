@@ -16,6 +16,14 @@ FAULTS = {
     "lr_zero": "the optimizer built with learning rate 0",
     "perturb_dp_rank": "the last data-parallel rank's weights perturbed after the first step",
     "rebind_after_bind": "param.data rebound to an outside flat buffer after bind_params (needs bind=True)",
+    "negate_norm_grads": "the norms' gradients negated after finalize_model_grads (a subset moves the wrong way)",
+    "scale_grads": "every gradient x3 after finalize_model_grads (a sum where a mean belongs)",
+    "unreduced_dp_rank": "the last data-parallel rank keeps its own unreduced gradients after finalize_model_grads",
+    "decay_no_decay_params": "weight decay applied to the biases and norms",
+    "wrong_group_lr": "one param group's learning rate x10",
+    "group_not_stepped": "one param group left out of the optimizer's step",
+    "loss_not_averaged": "the loss not divided by the number of micro-batches",
+    "stale_binding": "the binding's flat buffers are copies taken at bind time (needs bind=True)",
 }
 
 
@@ -105,8 +113,8 @@ class SelfCheckOptions:
             raise UsageError(f"--steps must be >= 1, got {self.steps}")
         if self.fault is not None and self.fault not in FAULTS:
             raise UsageError(f"unknown fault {self.fault!r}; known: {', '.join(FAULTS)}")
-        if self.fault == "rebind_after_bind" and not self.bind:
-            raise UsageError("fault rebind_after_bind needs bind=True (--bind)")
+        if self.fault in ("rebind_after_bind", "stale_binding") and not self.bind:
+            raise UsageError(f"fault {self.fault} needs bind=True (--bind)")
         if self.timeout <= 0:
             raise UsageError(f"--timeout must be > 0, got {self.timeout}")
         device = self.device

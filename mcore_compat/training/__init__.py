@@ -21,7 +21,13 @@ from .finalize import (
     finalize_model_grads,
     install_training_hooks,
 )
-from .optimizer import OptimConfig, get_megatron_optimizer, optimizer_config_of, optimizer_step
+from .optimizer import (
+    OptimConfig,
+    get_megatron_optimizer,
+    optimizer_config_of,
+    optimizer_step,
+    set_lr_and_weight_decay,
+)
 from .schedules import forward_backward, get_forward_backward_func
 
 __all__ = [
@@ -37,6 +43,7 @@ __all__ = [
     "install_training_hooks",
     "optimizer_config_of",
     "optimizer_step",
+    "set_lr_and_weight_decay",
     "wrap_ddp",
     "zero_grad_buffer",
 ]

@@ -33,7 +33,7 @@ from ._common import (
     same_group,
 )
 
-__all__ = ["OptimConfig", "get_megatron_optimizer", "optimizer_config_of", "optimizer_step"]
+__all__ = ["OptimConfig", "get_megatron_optimizer", "optimizer_config_of", "optimizer_step", "set_lr_and_weight_decay"]
 
 
 @dataclass
@@ -451,3 +451,18 @@ def optimizer_step(optimizer: Any) -> tuple[bool, float | None, int | None]:
     if zeros is not None and hasattr(zeros, "item"):
         zeros = zeros.item()
     return bool(ok), (None if norm is None else float(norm)), zeros
+
+
+def set_lr_and_weight_decay(optimizer: Any, lr: float, weight_decay: float) -> None:
+    """Set every param group's effective learning rate and weight decay from its multipliers.
+
+    ``group["lr"] = lr * group["lr_mult"]`` and ``group["weight_decay"] = weight_decay * group["wd_mult"]``
+    (multipliers default to 1), which is what Megatron-LM's ``OptimizerParamScheduler.step`` does at every
+    iteration. Megatron's builders (0.6+) only *record* the multipliers (a bias/norm group holds
+    ``wd_mult=0.0`` but ``weight_decay`` = the configured value), so without this call (or a scheduler) biases
+    and norms are decayed; mcore_compat's 0.4/0.5 optimizer applies them when it builds the groups, and this
+    call leaves them as they are.
+    """
+    for group in optimizer.param_groups:
+        group["lr"] = lr * float(group.get("lr_mult", 1.0))
+        group["weight_decay"] = weight_decay * float(group.get("wd_mult", 1.0))

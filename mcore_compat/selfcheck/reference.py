@@ -1,0 +1,290 @@
+"""The gradient reference: the same micro-batches through a plain-autograd copy of the model.
+
+No DDP, no schedule, no ``finalize_model_grads``, nothing of mcore_compat's training adapters: a copy of each
+model chunk's module (same weights, same Megatron layers, so the same kernels on the same inputs) runs the
+micro-batches one after another through every pipeline stage in order, passing activations and their
+gradients between stages with plain ``torch.distributed`` send/recv. The per-micro-batch gradients are summed
+the way Megatron's DDP keeps them (into a buffer of the gradient dtype: fp32 with ``grad_reduce_in_fp32``,
+else the param dtype), then reduced by hand to what the whole batch's gradient is:
+
+* over data parallelism: the mean over the data-parallel group (expert params: the sum over the
+  expert-data-parallel group divided by the data-parallel size, the mean over all ranks' tokens);
+* params that each tensor-parallel rank computes from its sequence shard (``sequence_parallel``): the sum over
+  the tensor-parallel group;
+* a weight shared by the first stage (input embedding) and the last stage (output layer): the sum of both.
+
+Each element also gets the bound its value may differ by from any other order of the same sums: summing
+``k`` terms in a dtype of unit roundoff ``u`` errs by at most ``(k-1)*u*S`` (``S`` = the sum of the terms'
+magnitudes), so two orders differ by at most ``2*(k-1)*u*S``, plus ``2u`` of the value for a non-power-of-two
+mean. The per-micro-batch gradients themselves are those of the same kernels on the same inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["GradReference", "PlainReference", "unwrap_ddp"]
+
+_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def unwrap_ddp(chunk: Any) -> Any:
+    """The module inside Megatron's ``DistributedDataParallel`` (any release); wrappers below it stay."""
+    while type(chunk).__name__ == "DistributedDataParallel" and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def core_module(module: Any) -> Any:
+    """Strip DDP and ``Float16Module`` wrappers."""
+    while type(module).__name__ in ("DistributedDataParallel", "Float16Module") and hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _plain_copy(module: Any) -> Any:
+    """A deep copy of ``module`` with fresh parameters (no DDP attributes such as ``main_grad``) that shares
+    what must not be copied: process groups and the transformer configs (whose hooks hold the optimizer)."""
+    import torch
+    import torch.distributed as dist
+
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+    for sub in module.modules():
+        for attr in ("config", "ddp_config", "pg_collection"):
+            value = sub.__dict__.get(attr)
+            if value is not None:
+                memo[id(value)] = value
+    cls = dist.ProcessGroup
+    had = "__deepcopy__" in cls.__dict__
+    previous = cls.__dict__.get("__deepcopy__")
+    cls.__deepcopy__ = lambda self, _memo: self  # type: ignore[attr-defined]
+    try:
+        return copy.deepcopy(module, memo)
+    finally:
+        if had:
+            cls.__deepcopy__ = previous  # type: ignore[attr-defined]
+        else:
+            del cls.__deepcopy__
+
+
+@dataclass
+class GradReference:
+    """The reference gradients of one step.
+
+    Attributes:
+        grads: ``{model param: gradient}`` (the dtype Megatron keeps it in), for this rank's trainable params.
+        bounds: ``{model param: per-element bound}`` (fp32; see the module docstring).
+        losses: the loss function's outputs per micro-batch (last pipeline stage only).
+        terms: ``{model param: number of summed terms}``.
+    """
+
+    grads: dict[Any, Any] = field(default_factory=dict)
+    bounds: dict[Any, Any] = field(default_factory=dict)
+    losses: list[Any] = field(default_factory=list)
+    terms: dict[Any, int] = field(default_factory=dict)
+
+
+def _is_expert(param: Any) -> bool:
+    return not getattr(param, "allreduce", True)
+
+
+def _group_size(group: Any) -> int:
+    import torch.distributed as dist
+
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class PlainReference:
+    """Plain-autograd copies of the model chunks of this rank, kept at the model's current weights.
+
+    Args:
+        chunks: the DDP-wrapped model chunks of this rank (virtual pipeline stages in order).
+        groups: the process groups (:class:`~mcore_compat.selfcheck.groups.Groups`) of this rank.
+        grad_dtype: ``param -> torch.dtype`` of the gradient buffer Megatron keeps (``main_grad``'s dtype).
+    """
+
+    def __init__(self, chunks: Sequence[Any], groups: Any, grad_dtype: Callable[[Any], Any],
+                 per_token_loss: bool = False) -> None:
+        self.per_token_loss = per_token_loss
+        self.originals = [unwrap_ddp(c) for c in chunks]
+        self.copies = [_plain_copy(m) for m in self.originals]
+        self.groups = groups
+        self.grad_dtype = grad_dtype
+        self.pairs: list[list[tuple[Any, Any]]] = []
+        for orig, dup in zip(self.originals, self.copies, strict=True):
+            dup_params = dict(dup.named_parameters())
+            self.pairs.append([(p, dup_params[n]) for n, p in orig.named_parameters() if p.requires_grad])
+
+    def nbytes(self) -> int:
+        """Bytes held by the copies (parameters and buffers)."""
+        return sum(t.numel() * t.element_size() for m in self.copies for t in (*m.parameters(), *m.buffers()))
+
+    def sync(self) -> None:
+        """Copy the model's current weights into the copies."""
+        import torch
+
+        with torch.no_grad():
+            for pairs in self.pairs:
+                for orig, dup in pairs:
+                    dup.copy_(orig)
+
+    # -------------------------------------------------------------------------------------------- pipeline
+    def run(self, forward_step_func: Callable[..., Any], batches: Sequence[Sequence[Any]], num_microbatches: int,
+            *, loss_scale: float = 1.0) -> GradReference:
+        """The reference gradients of one step (collective over every rank of the run).
+
+        Args:
+            forward_step_func: the same ``forward_step_func(data_iterator, model)`` the schedule gets.
+            batches: per model chunk, the micro-batches its data iterator yields (the same list the step used).
+            num_microbatches: micro-batches per step.
+            loss_scale: the optimizer's loss scale (the schedule multiplies the loss by it before backward).
+        """
+        import torch
+
+        self.sync()
+        g = self.groups
+        acc: dict[Any, Any] = {}
+        mag: dict[Any, Any] = {}
+        out = GradReference()
+        per_token: list[Any] = []
+        iters = [iter(b) for b in batches]
+        stages = g.pp * len(self.copies)
+        for _mb in range(num_microbatches):
+            saved: dict[int, tuple[Any, Any]] = {}
+            for stage in range(stages):
+                if stage % g.pp != g.pp_rank:
+                    continue
+                chunk = stage // g.pp
+                model = self.copies[chunk]
+                g.set_virtual_rank(chunk)
+                x = None
+                if stage > 0:
+                    x = g.recv_stage(stage - 1).requires_grad_()
+                _set_input_tensor(model, x)
+                output, loss_func = forward_step_func(iters[chunk], model)
+                if stage == stages - 1:
+                    result = loss_func(output)
+                    loss = result[0]
+                    if len(result) == 3:  # per-token loss: (loss sum, num tokens, dict); no division here
+                        per_token.append(result[1])
+                        out.losses.append(result[2])
+                        target = loss
+                    else:
+                        out.losses.append(result[1])
+                        target = loss / num_microbatches
+                    if loss_scale != 1.0:
+                        target = target * loss_scale
+                    saved[stage] = (x, target)
+                else:
+                    g.send_stage(output.detach(), stage + 1)
+                    saved[stage] = (x, output)
+            for stage in reversed(range(stages)):
+                if stage not in saved:
+                    continue
+                chunk = stage // g.pp
+                g.set_virtual_rank(chunk)
+                x, y = saved.pop(stage)
+                if stage == stages - 1:
+                    torch.autograd.backward(y)
+                else:
+                    torch.autograd.backward(y, g.recv_stage(stage + 1, backward=True))
+                if stage > 0:
+                    g.send_stage(x.grad, stage - 1, backward=True)
+                for orig, dup in self.pairs[chunk]:
+                    if dup.grad is None:
+                        continue
+                    if orig not in acc:
+                        acc[orig] = torch.zeros(dup.shape, dtype=self.grad_dtype(orig), device=dup.device)
+                        mag[orig] = torch.zeros(dup.shape, dtype=torch.float32, device=dup.device)
+                    acc[orig].add_(dup.grad)
+                    mag[orig].add_(dup.grad.float().abs())
+                    dup.grad = None
+        g.set_virtual_rank(None)
+        terms = {p: num_microbatches for p in acc}
+        self._reduce(acc, mag, terms, per_token)
+        for p, value in acc.items():
+            u = _unit_roundoff(value.dtype)
+            k = terms[p]
+            out.bounds[p] = 2.0 * (k - 1) * u * mag[p] + 2.0 * u * value.float().abs()
+        out.grads, out.terms = acc, terms
+        return out
+
+    # -------------------------------------------------------------------------------------------- reductions
+    def _reduce(self, acc: dict[Any, Any], mag: dict[Any, Any], terms: dict[Any, int], per_token: list[Any]
+                ) -> None:
+        import torch
+        import torch.distributed as dist
+
+        g = self.groups
+        per_token_mode = self.per_token_loss
+        for p in acc:
+            expert = _is_expert(p)
+            group = g.edp if expert else g.dp
+            size = _group_size(group)
+            scale = 1.0 if per_token_mode else 1.0 / g.dp_size
+            if scale != 1.0:
+                acc[p].mul_(scale)
+                mag[p].mul_(scale)
+            if size > 1:
+                dist.all_reduce(acc[p], group=group)
+                dist.all_reduce(mag[p], group=group)
+                terms[p] *= size
+        if g.tp > 1:
+            for p in acc:
+                if getattr(p, "sequence_parallel", False) or getattr(p, "average_gradients_across_tp_domain", False):
+                    dist.all_reduce(acc[p], group=g.tp_group)
+                    dist.all_reduce(mag[p], group=g.tp_group)
+                    terms[p] *= g.tp
+                    if getattr(p, "average_gradients_across_tp_domain", False):
+                        acc[p].div_(g.tp)
+                        mag[p].div_(g.tp)
+        tied = g.tied_weight(self.originals)
+        if tied is not None and tied in acc:
+            for table in (acc, mag):
+                table[tied].add_(g.exchange_tied(table[tied]))
+            terms[tied] *= 2
+        if per_token_mode:
+            local = sum(float(torch.as_tensor(t).sum()) for t in per_token)
+            total = g.tokens_over_batch(local)
+            for p in acc:
+                if total > 0:
+                    acc[p].mul_(1.0 / float(total))
+                    mag[p].mul_(1.0 / float(total))
+
+
+def _unit_roundoff(dtype: Any) -> float:
+    import torch
+
+    return {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11,
+            torch.float64: 2.0**-53}[dtype]
+
+
+def _set_input_tensor(model: Any, tensor: Any) -> None:
+    """What Megatron's schedule does before every forward: hand the stage its input (``None`` on stage 0)."""
+    target = model
+    while not hasattr(target, "set_input_tensor") and hasattr(target, "module"):
+        target = target.module
+    if hasattr(target, "set_input_tensor"):
+        target.set_input_tensor([tensor])
+
+
+def dtype_code(dtype: Any) -> int:
+    """A small integer for a floating dtype (for the p2p metadata)."""
+    return _DTYPES.index(str(dtype).replace("torch.", ""))
+
+
+def dtype_of(code: int) -> Any:
+    import torch
+
+    return getattr(torch, _DTYPES[code])
+
+
+def ceil_log2(n: int) -> int:
+    """``ceil(log2(n))`` for ``n >= 1``."""
+    return max(0, math.ceil(math.log2(max(n, 1))))

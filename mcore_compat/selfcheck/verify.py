@@ -1,0 +1,590 @@
+"""Verify real training steps, element by element: the engine behind the self-check and
+:func:`~mcore_compat.selfcheck.check_training_step`.
+
+Around each step (``zero_grad_buffer``, ``forward_backward``, ``optimizer_step`` through mcore_compat) a
+:class:`StepVerifier` proves, on every rank, by induction over the steps:
+
+* ``grads_match_reference``: the finalized gradients (DDP's ``main_grad`` after ``finalize_model_grads``, the
+  part the optimizer reads) equal a plain-autograd reference of the same micro-batches at the same weights,
+  reduced by hand (:mod:`.reference`), within the bound of reordered sums;
+* ``grad_norm_matches_reference``: the norm the optimizer reports equals the norm of those gradients
+  recomputed here (tensor-parallel shards once, replicated params once, the tied copy once);
+* ``update_matches_optimizer_rule``: every main param and its moments after the step equal the optimizer's
+  rule (:mod:`.oracle`, float64) applied to its value and state before the step, the finalized gradient
+  (unscaled, clipped by the reported norm) and its param group's hyper-parameters, within the fp32 rounding
+  bound; elements a step cannot change must not change;
+* ``model_params_match_main``: the model params equal the main params cast to the model dtype, bit for bit;
+* ``all_params_changed``: every trainable param's main param (the optimizer's fp32 copy or shard, merged over
+  the ranks that share it) changed in the first step;
+* ``state_unchanged_between_steps``: nothing touched main params, optimizer state or model params between two
+  steps;
+* ``replicas_identical``: every param replicated over a group is bit-identical over it (data parallel, expert
+  data parallel, tensor-parallel duplicates, the tied embedding/output pair);
+* ``optimizer_covers_params``: every trainable element is updated by exactly one main param of some group.
+
+Checks that cannot apply say so (e.g. ``model_params_match_main`` when the model params are the main params).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .groups import Groups
+from .optimizer_view import MainParam, optimizer_view
+from .oracle import BOUND_TEXT, Rule, expected_step, rule_of, unsupported_group
+from .reference import GradReference, PlainReference, ceil_log2, core_module, unwrap_ddp
+from .report import Check
+
+__all__ = ["StepVerifier", "named_trainable"]
+
+_HYPER_KEYS = ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov", "amsgrad", "maximize",
+               "bias_correction")
+
+
+def named_trainable(chunks: Sequence[Any]) -> dict[Any, str]:
+    """``{param: "<chunk>.<name>"}`` of the trainable params of every chunk (DDP/Float16Module stripped)."""
+    out: dict[Any, str] = {}
+    for i, chunk in enumerate(chunks):
+        for name, p in core_module(chunk).named_parameters():
+            if p.requires_grad and p not in out:
+                out[p] = f"{i}.{name}"
+    return out
+
+
+@dataclass
+class _Tally:
+    """One check's findings over the steps: the worst element and every failure (step, what)."""
+
+    worst: float = 0.0
+    where: str = ""
+    elements: int = 0
+    failures: list[str] = field(default_factory=list)
+    applicable: bool = False
+    note: str = ""
+
+    def see(self, ratio: float, where: str, n: int) -> None:
+        self.applicable = True
+        self.elements += n
+        if ratio > self.worst:
+            self.worst, self.where = ratio, where
+
+    def fail(self, what: str) -> None:
+        self.applicable = True
+        if len(self.failures) < 50:
+            self.failures.append(what)
+
+
+@dataclass
+class _Pre:
+    p0: Any
+    state0: dict[str, Any]
+    group: dict[str, Any] | None
+    grad: Any = None
+
+
+def _clone_state(state: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in state.items():
+        out[k] = v.detach().clone() if hasattr(v, "detach") else v
+    return out
+
+
+def _ratio(err: Any, bound: Any) -> tuple[float, int]:
+    """Worst ``err/bound`` (an element over its bound gives > 1; a nonzero error with zero bound gives inf) and
+    the number of elements over their bound."""
+    import torch
+
+    over = err > bound
+    n_over = int(over.sum())
+    if err.numel() == 0:
+        return 0.0, 0
+    safe = torch.where(bound > 0, err / bound.clamp_min(1e-300), torch.where(err > 0, float("inf"), 0.0))
+    return float(safe.max()), n_over
+
+
+class StepVerifier:
+    """Proves each training step of ``chunks`` with ``optimizer`` (see the module docstring).
+
+    Call :meth:`before_step`, then (after ``forward_backward``) :meth:`after_backward`, then (after
+    ``optimizer_step``) :meth:`after_step`, for every step; :meth:`checks` gives the merged verdicts.
+
+    Args:
+        chunks: the DDP-wrapped model chunks of this rank.
+        optimizer: their optimizer.
+        reference: build the plain-autograd copy (one more model in memory) for ``grads_match_reference``.
+        continuity: keep the state after each step to prove nothing changed it before the next one.
+        per_token_loss: the schedule's ``calculate_per_token_loss``.
+    """
+
+    def __init__(self, chunks: Sequence[Any], optimizer: Any, *, reference: bool = True, continuity: bool = True,
+                 per_token_loss: bool = False) -> None:
+        import torch
+
+        self.chunks = list(chunks)
+        self.optimizer = optimizer
+        first = next((p for c in self.chunks for p in c.parameters()), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.groups = Groups(self.device)
+        self.names = named_trainable(self.chunks)
+        self.view = optimizer_view(optimizer, self.names)
+        self.rules: dict[int, Rule | str] = {id(i): rule_of(i) for i in self.view.inner}
+        self.continuity = continuity
+        self.step_index = 0
+        self.tally: dict[str, _Tally] = {k: _Tally() for k in (
+            "grads", "norm", "update", "model", "changed", "continuity", "replicas", "loss")}
+        self._pre: dict[int, _Pre] = {}
+        self._after: dict[int, tuple[Any, dict[str, Any], Any]] = {}
+        self._loss_scale = 1.0
+        self.losses_seen: list[float] = []
+        self.replica_groups: set[str] = set()
+        self.last_clip_coeff = 1.0
+        self.rule_text = ""
+        self.unchanged: list[str] = []
+        self.reference: PlainReference | None = None
+        self.reference_bytes = 0
+        if reference:
+            self.reference = PlainReference(self.chunks, self.groups, _grad_dtype, per_token_loss=per_token_loss)
+            self.reference_bytes = self.reference.nbytes()
+        self._setup_checks: list[Check] = self._coverage()
+
+    # ------------------------------------------------------------------------------------------- set-up
+    def _coverage(self) -> list[Check]:
+        """``optimizer_covers_params`` and the main params' starting values (equal to the model's)."""
+        import torch
+        import torch.distributed as dist
+
+        if self.view.unsupported:
+            return [Check.not_applicable("optimizer_covers_params",
+                                         f"the optimizer's main params cannot be read: {self.view.unsupported}")]
+        owned: dict[str, int] = {}
+        sharded: set[str] = set()
+        in_no_group: list[str] = []
+        for mp in self.view:
+            owned[mp.name] = owned.get(mp.name, 0) + mp.main.numel()
+            if mp.sharded:
+                sharded.add(mp.name)
+            if mp.group is None:
+                in_no_group.append(mp.name)
+        expert_names = {n for p, n in self.names.items() if not getattr(p, "allreduce", True)}
+        total = {n: c for n, c in owned.items() if n not in sharded}
+        for names, group in ((sharded - expert_names, self.groups.dp), (sharded & expert_names, self.groups.edp)):
+            mine = {n: owned[n] for n in names}
+            gathered: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, mine, group=group)
+            for other in gathered:
+                for n, c in other.items():
+                    total[n] = total.get(n, 0) + c
+        wrong = [f"{name} ({total.get(name, 0)} of {p.numel()} elements)" for p, name in self.names.items()
+                 if total.get(name, 0) != p.numel()]
+        start_diff = []
+        for mp in self.view:
+            if mp.main is mp.model:
+                continue
+            if not torch.equal(mp.main.detach().float().reshape(-1),
+                               mp.model_part(mp.model.detach()).float()):
+                start_diff.append(mp.name)
+        bad = wrong + [f"{n} (in no param group)" for n in in_no_group]
+        detail = (f"{len(self.names)} trainable params: every element updated by exactly one main param of a param "
+                  f"group, main params start at the model's values")
+        if bad or start_diff:
+            detail = ("; ".join(filter(None, [
+                f"not covered exactly once: {', '.join(bad[:4])}" if bad else "",
+                f"main params differ from the model at start: {', '.join(start_diff[:4])}" if start_diff else ""])))
+        return [Check("optimizer_covers_params", not bad and not start_diff, detail,
+                      {"not_covered": bad, "start_differs": start_diff})]
+
+    # ------------------------------------------------------------------------------------------- steps
+    def before_step(self) -> None:
+        """Snapshot main params, state and param groups (and prove nothing changed them since the last step)."""
+        self._loss_scale = self.view.loss_scale() if not self.view.unsupported else 1.0
+        if self.continuity and self._after:
+            t = self.tally["continuity"]
+            for mp in self.view:
+                main, state, model = self._after[id(mp)]
+                now_state = _state_of(mp)
+                same = main is None or _equal(main, mp.main)
+                same = same and _equal(model, mp.model_part(mp.model.detach()))
+                same = same and all(_equal(v, now_state.get(k)) for k, v in state.items())
+                t.see(0.0, "", mp.main.numel())
+                if not same:
+                    t.fail(f"step {self.step_index}: {mp.name} changed between steps")
+        self._pre = {}
+        for mp in self.view:
+            self._pre[id(mp)] = _Pre(mp.main.detach().float().clone(), _clone_state(_state_of(mp)),
+                                     None if mp.group is None else {k: mp.group[k] for k in _HYPER_KEYS
+                                                                    if k in mp.group})
+
+    def after_backward(self, forward_step_func: Callable[..., Any] | None, batches: Sequence[Sequence[Any]],
+                       num_microbatches: int, losses: Sequence[Any] = ()) -> None:
+        """After ``forward_backward``: snapshot the finalized gradients, check the forward's replicas, and
+        compare the gradients (and losses) with the reference (collective)."""
+        for mp in self.view:
+            g = mp.finalized_grad()
+            self._pre[id(mp)].grad = None if g is None else g.detach().clone()
+        self._replicas(f"step {self.step_index}")
+        if self.reference is None or forward_step_func is None:
+            return
+        ref = self.reference.run(forward_step_func, batches, num_microbatches, loss_scale=self._loss_scale)
+        self._compare_grads(ref)
+        self._compare_losses(ref, losses)
+
+    def after_step(self, update_successful: bool, grad_norm: float | None) -> None:
+        """After ``optimizer_step``: the rule, the model params, the first step's changes."""
+        self._check_norm(grad_norm)
+        self._check_update(update_successful, grad_norm)
+        self._check_model_params()
+        if self.step_index == 0:
+            self._check_changed()
+        if self.continuity:
+            self._after = {id(mp): (None if mp.main is mp.model else mp.main.detach().clone(),
+                                    _clone_state(_state_of(mp)), mp.model_part(mp.model.detach()).clone())
+                           for mp in self.view}
+        self.step_index += 1
+
+    def final_replicas(self) -> None:
+        """Check the replicas once more (call when the last step's params are in place on every rank)."""
+        self._replicas(f"after step {self.step_index - 1}")
+
+    # ------------------------------------------------------------------------------------------- pieces
+    def _compare_grads(self, ref: GradReference) -> None:
+        import torch
+
+        t = self.tally["grads"]
+        for mp in self.view:
+            got = self._pre[id(mp)].grad
+            full = ref.grads.get(mp.model)
+            if full is None:
+                want = torch.zeros(mp.main.numel(), dtype=torch.float32, device=mp.main.device)
+                bound = torch.zeros_like(want)
+            else:
+                want = mp.model_part(full).float()
+                bound = mp.model_part(ref.bounds[mp.model]).float()
+            if got is None:
+                t.fail(f"step {self.step_index}: {mp.name} has no gradient")
+                continue
+            err = (got.float() - want).abs()
+            ratio, over = _ratio(err.double(), bound.double())
+            t.see(ratio, f"{mp.name} step {self.step_index}", err.numel())
+            if over:
+                i = int(torch.argmax(err - bound))
+                t.fail(f"step {self.step_index}: {mp.name}: {over}/{err.numel()} elements off (e.g. "
+                       f"{float(got.reshape(-1)[i]):.6g} vs {float(want[i]):.6g}, bound {float(bound[i]):.3g})")
+
+    def _compare_losses(self, ref: GradReference, losses: Sequence[Any]) -> None:
+        t = self.tally["loss"]
+        if not ref.losses or not losses:
+            return
+        mine = [_loss_value(d) for d in losses]
+        theirs = [_loss_value(d) for d in ref.losses]
+        for i, (a, b) in enumerate(zip(mine, theirs, strict=False)):
+            if a is None or b is None:
+                continue
+            t.see(0.0 if a == b else float("inf"), f"micro-batch {i}", 1)
+            if a != b:
+                t.fail(f"step {self.step_index} micro-batch {i}: loss {a:.8g} vs reference {b:.8g}")
+        t.note = f"{theirs[0]:.5g}" if theirs and theirs[0] is not None else ""
+        known = [x for x in mine if x is not None]
+        if known:
+            self.losses_seen.append(sum(known) / len(known))
+
+    def _norm_of_finalized(self) -> tuple[float, float]:
+        """The global grad norm of the finalized gradients (each element of the model once), and its bound."""
+        import torch
+        import torch.distributed as dist
+
+        g = self.groups
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        biggest = 1
+        tied = g.tied_weight([unwrap_ddp(c) for c in self.chunks])
+        for mp in self.view:
+            grad = self._pre[id(mp)].grad
+            if grad is None:
+                continue
+            expert = not getattr(mp.model, "allreduce", True)
+            dp_first = (g.edp_rank if expert else g.dp_rank) == 0
+            tp_first = getattr(mp.model, "tensor_model_parallel", False) or g.tp_rank == 0
+            tied_copy = tied is not None and mp.model is tied and g.pp_rank != 0
+            if (mp.sharded or dp_first) and tp_first and not tied_copy:
+                total += (grad.double() / self._loss_scale).square().sum()
+                biggest = max(biggest, mp.model.numel())
+        dist.all_reduce(total)
+        count = torch.tensor([len(self.view.params)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(count)
+        norm = float(total.sqrt())
+        # fp32 sums of squares by pairwise/cascade reductions: <= (ceil(log2 n) + T + R + 4) u relative
+        rel = (ceil_log2(biggest) + ceil_log2(int(count.item()) + 1) + ceil_log2(dist.get_world_size()) + 4) * 2.0**-24
+        return norm, rel * norm
+
+    def _check_norm(self, grad_norm: float | None) -> None:
+        t = self.tally["norm"]
+        if self.view.unsupported:
+            return
+        mine, bound = self._norm_of_finalized()
+        if grad_norm is None:
+            t.note = "the optimizer reported no grad norm (clip_grad = 0 on this release)"
+            return
+        err = abs(grad_norm - mine)
+        t.see(err / bound if bound > 0 else (0.0 if err == 0 else float("inf")), f"step {self.step_index}", 1)
+        t.note = t.note or f"{grad_norm:.6g} vs {mine:.6g}"
+        if err > bound:
+            t.fail(f"step {self.step_index}: grad norm {grad_norm:.8g} vs recomputed {mine:.8g} (bound {bound:.3g})")
+
+    def _clip_coeff(self, grad_norm: float | None) -> float:
+        clip = _clip_grad(self.optimizer)
+        if not clip or grad_norm is None:
+            return 1.0
+        coeff = clip / (grad_norm + 1.0e-6)
+        return coeff if coeff < 1.0 else 1.0
+
+    def _check_update(self, update_successful: bool, grad_norm: float | None) -> None:
+        import torch
+
+        t = self.tally["update"]
+        if self.view.unsupported:
+            return
+        coeff = self._clip_coeff(grad_norm)
+        self.last_clip_coeff = coeff
+        for mp in self.view:
+            pre = self._pre[id(mp)]
+            after = mp.main.detach().double().reshape(-1)
+            if pre.group is None:
+                if not torch.equal(after, pre.p0.double().reshape(-1)):
+                    t.fail(f"step {self.step_index}: {mp.name} is in no param group yet changed")
+                else:
+                    t.fail(f"step {self.step_index}: {mp.name} is in no param group: never updated")
+                continue
+            rule = self.rules.get(id(mp.inner))
+            if not isinstance(rule, Rule) or unsupported_group(pre.group, rule):
+                t.note = f"optimizer rule not modelled: {rule if not isinstance(rule, Rule) else pre.group}"
+                continue
+            if not update_successful:
+                t.see(0.0, mp.name, after.numel())
+                if not torch.equal(after, pre.p0.double().reshape(-1)):
+                    t.fail(f"step {self.step_index}: the step was skipped (overflow) but {mp.name} changed")
+                continue
+            if pre.grad is None:
+                t.fail(f"step {self.step_index}: {mp.name} had no gradient to update with")
+                continue
+            grad = pre.grad.double().reshape(-1) / self._loss_scale * coeff
+            state0 = {k: (v.reshape(-1) if hasattr(v, "reshape") and getattr(v, "dim", lambda: 0)() else v)
+                      for k, v in pre.state0.items()}
+            p1, state1, bound = expected_step(rule, pre.group, pre.p0.reshape(-1), grad, state0)
+            ratio, over = _ratio((after - p1).abs(), bound)
+            t.see(ratio, f"{mp.name} step {self.step_index}", after.numel())
+            if over:
+                i = int(torch.argmax((after - p1).abs() - bound))
+                t.fail(f"step {self.step_index}: {mp.name}: {over}/{after.numel()} elements off the rule (e.g. "
+                       f"{float(after[i]):.9g} vs {float(p1[i]):.9g} from {float(pre.p0.reshape(-1)[i]):.9g}, "
+                       f"bound {float(bound[i]):.3g})")
+            now = _state_of(mp)
+            for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+                if key not in state1:
+                    continue
+                if key not in now:
+                    t.fail(f"step {self.step_index}: {mp.name}: optimizer state {key} missing")
+                    continue
+                got = now[key].detach().double().reshape(-1)
+                r, o = _ratio((got - state1[key]).abs(), state1[f"{key}.bound"])
+                t.see(r, f"{mp.name}.{key} step {self.step_index}", 0)
+                if o:
+                    t.fail(f"step {self.step_index}: {mp.name}: {key} off the rule in {o} elements")
+            if "step" in state1 and "step" in now and int(float(now["step"])) != state1["step"]:
+                t.fail(f"step {self.step_index}: {mp.name}: optimizer step count {int(float(now['step']))} "
+                       f"expected {state1['step']}")
+        self.rule_text = BOUND_TEXT.get(next((r.kind for r in self.rules.values() if isinstance(r, Rule)), ""), "")
+
+    def _check_model_params(self) -> None:
+        import torch
+
+        t = self.tally["model"]
+        for mp in self.view:
+            if mp.main is mp.model:
+                continue
+            want = mp.main.detach().reshape(-1).to(mp.model.dtype)
+            got = mp.model_part(mp.model.detach())
+            t.see(0.0, mp.name, got.numel())
+            if not torch.equal(got, want):
+                n = int((got != want).sum())
+                t.fail(f"step {self.step_index}: {mp.name}: {n}/{got.numel()} elements differ from the main "
+                       f"params cast to {str(mp.model.dtype).replace('torch.', '')}")
+
+    def _check_changed(self) -> None:
+        import torch.distributed as dist
+
+        t = self.tally["changed"]
+        if self.view.unsupported:
+            return
+        counts: dict[str, int] = {}
+        for mp in self.view:
+            pre = self._pre[id(mp)]
+            counts[mp.name] = counts.get(mp.name, 0) + int(
+                (mp.main.detach().float().reshape(-1) != pre.p0.reshape(-1)).sum())
+        merged: dict[str, int] = {}
+        for group in {id(self.groups.dp): self.groups.dp, id(self.groups.edp): self.groups.edp}.values():
+            gathered: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, counts, group=group)
+            for other in gathered:
+                for n, c in other.items():
+                    merged[n] = merged.get(n, 0) + c
+        unchanged = [n for n in self.names.values() if merged.get(n, 0) == 0]
+        t.applicable = True
+        t.elements = len(self.names)
+        self.unchanged = unchanged
+        for n in unchanged:
+            t.fail(n)
+
+    def _replicas(self, when: str) -> None:
+        """Every replicated param bit-identical over its group (collective)."""
+        import torch
+        import torch.distributed as dist
+
+        g = self.groups
+        t = self.tally["replicas"]
+        params = [(n, p) for p, n in sorted(self.names.items(), key=lambda kv: kv[1])]
+        sets = []
+        if g.dp_size > 1:
+            sets.append(("data-parallel", g.dp, [(n, p) for n, p in params if getattr(p, "allreduce", True)]))
+        if g.edp_size > 1:
+            sets.append(("expert-data-parallel", g.edp,
+                         [(n, p) for n, p in params if not getattr(p, "allreduce", True)]))
+        if g.tp > 1:
+            sets.append(("tensor-parallel duplicates", g.tp_group,
+                         [(n, p) for n, p in params if not getattr(p, "tensor_model_parallel", False)
+                          and getattr(p, "allreduce", True)]))
+        for label, group, members in sets:
+            if not members:
+                continue
+            flat = torch.cat([p.detach().reshape(-1).float() for _, p in members])
+            gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(gathered, flat, group=group)
+            t.see(0.0, label, flat.numel())
+            for other in gathered:
+                if not torch.equal(other, flat):
+                    bad, off = [], 0
+                    for n, p in members:
+                        k = p.numel()
+                        if not torch.equal(other[off:off + k], flat[off:off + k]):
+                            bad.append(n)
+                        off += k
+                    t.fail(f"{when}: {label} replicas differ: {', '.join(bad[:4])}")
+                    break
+            self.replica_groups.add(label)
+        tied = g.tied_weight([unwrap_ddp(c) for c in self.chunks])
+        if tied is not None:
+            other = g.exchange_tied(tied.detach().contiguous())
+            t.see(0.0, "tied embedding", tied.numel())
+            self.replica_groups.add("tied embedding/output")
+            if not torch.equal(other, tied.detach()):
+                t.fail(f"{when}: tied embedding/output weight differs between the first and last stage")
+
+    # ------------------------------------------------------------------------------------------- verdicts
+    def checks(self) -> list[Check]:
+        """The verdicts of this rank (merge over ranks with :func:`~.report.merge_rank_checks`)."""
+        out = list(self._setup_checks)
+        steps = self.step_index
+        tl = self.tally
+        if self.reference is None:
+            out.append(Check.not_applicable("grads_match_reference", "no reference copy (reference=False)"))
+        else:
+            out.append(_verdict("grads_match_reference", tl["grads"],
+                                f"{steps} step(s): finalized gradients vs a plain-autograd reference, worst "
+                                f"{tl['grads'].worst:.3g} of the bound 2(k-1)u*sum|terms| ({tl['grads'].where})",
+                                "no gradient on this rank"))
+        norm_na = self.view.unsupported or (not tl["norm"].applicable and tl["norm"].note)
+        if norm_na:
+            out.append(Check.not_applicable("grad_norm_matches_reference",
+                                            tl["norm"].note or f"optimizer not readable: {self.view.unsupported}"))
+        else:
+            out.append(_verdict("grad_norm_matches_reference", tl["norm"],
+                                f"reported vs recomputed norm {tl['norm'].note} (worst {tl['norm'].worst:.3g} of "
+                                f"the bound (ceil(log2 n)+T+R+4)*2^-24 relative)", "no norm"))
+        if self.view.unsupported:
+            out.append(Check.not_applicable("update_matches_optimizer_rule",
+                                            f"the optimizer's main params cannot be read: {self.view.unsupported}"))
+        else:
+            clip = self.last_clip_coeff
+            out.append(_verdict("update_matches_optimizer_rule", tl["update"],
+                                f"{steps} step(s), {tl['update'].elements} main elements: worst "
+                                f"{tl['update'].worst:.3g} of the bound; {self.rule_text}; last "
+                                f"clip coefficient {clip:.4g}" + (f"; {tl['update'].note}" if tl["update"].note
+                                                                    else ""),
+                                tl["update"].note or "no main params on this rank"))
+        out.append(_verdict("model_params_match_main", tl["model"],
+                            f"{tl['model'].elements} model-param elements equal the main params cast to the model "
+                            f"dtype after each step",
+                            "the model params are the optimizer's main params (fp32 without a distributed "
+                            "optimizer): nothing to compare"))
+        if self.view.unsupported:
+            out.append(Check.not_applicable("all_params_changed", f"main params not readable: "
+                                                                  f"{self.view.unsupported}"))
+        else:
+            out.append(_verdict("all_params_changed", tl["changed"],
+                                f"{len(self.names)} trainable params: every one's main param changed in step 0",
+                                "no step ran", fail_detail=lambda f: f"unchanged main params: {', '.join(f[:5])}"))
+        if self.continuity:
+            out.append(_verdict("state_unchanged_between_steps", tl["continuity"],
+                                f"main params, optimizer state and model params unchanged between the "
+                                f"{steps} steps", "only one step ran"))
+        groups = sorted(self.replica_groups)
+        out.append(_verdict("replicas_identical", tl["replicas"],
+                            f"bit-identical over: {', '.join(groups)}",
+                            "no param is replicated over another rank (data-parallel, tensor-parallel duplicate, "
+                            "tied embedding) in this configuration"))
+        return out
+
+
+def _verdict(name: str, t: _Tally, detail: str, na: str,
+             fail_detail: Callable[[list[str]], str] | None = None) -> Check:
+    if not t.applicable:
+        return Check.not_applicable(name, na)
+    if t.failures:
+        text = fail_detail(t.failures) if fail_detail else f"{len(t.failures)} failure(s): " + "; ".join(
+            t.failures[:3])
+        return Check(name, False, text, {"failures": t.failures, "worst": t.worst})
+    return Check(name, True, detail, {"worst": t.worst, "where": t.where, "elements": t.elements})
+
+
+def _grad_dtype(param: Any) -> Any:
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad.dtype if main_grad is not None else param.dtype
+
+
+def _state_of(mp: MainParam) -> dict[str, Any]:
+    return dict(mp.inner.state.get(mp.main, {})) if mp.inner is not None else {}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    import torch
+
+    if a is None or b is None:
+        return a is b
+    if hasattr(a, "shape") and hasattr(b, "shape"):
+        return torch.equal(a.reshape(-1), b.detach().reshape(-1))
+    return bool(a == b)
+
+
+def _loss_value(d: Any) -> float | None:
+    if isinstance(d, dict):
+        for v in d.values():
+            if hasattr(v, "numel") and v.numel() == 1:
+                return float(v.float())
+            if isinstance(v, (int, float)):
+                return float(v)
+        return None
+    if hasattr(d, "numel") and d.numel() == 1:
+        return float(d.float())
+    return None
+
+
+def _clip_grad(optimizer: Any) -> float:
+    for opt in [optimizer, *getattr(optimizer, "chained_optimizers", [])]:
+        cfg = getattr(opt, "config", None)
+        value = getattr(cfg, "clip_grad", None) if cfg is not None else None
+        if value is None:
+            value = getattr(opt, "clip_grad", None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
