@@ -1,50 +1,100 @@
 """Rank body for tests/test_selfcheck_real.py's own-model cases: ``check_training_step`` on a model built by
-the caller (here: the self-check's tiny GPT, built and wrapped the way training code does)."""
+the caller (here: the self-check's tiny GPT, built and wrapped the way training code does), clean and with the
+faults a real bug would cause inside the optimizer step (after ``finalize_model_grads``, before the update)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-CASES = ("good", "good-pp2", "no-hook", "rebind-after-bind")
+#: case -> (pipeline size, dtype, reference copy)
+CASES = {
+    "good": (1, "fp32", True),
+    "good-bf16": (1, "bf16", True),
+    "good-pp2": (2, "fp32", True),
+    "good-no-reference": (1, "fp32", False),
+    "no-hook": (1, "fp32", True),
+    "rebind-after-bind": (1, "fp32", True),
+    "step-negate-norm-grads": (1, "fp32", False),
+    "step-scale-grads": (1, "fp32", False),
+    "step-perturb-rank1": (1, "fp32", False),
+    "step-group-lr": (1, "fp32", False),
+    "step-zero-half-grad": (1, "fp32", False),
+}
+
+
+def _wrap_step(optimizer: Any, chunks: list[Any], case: str, dp_rank: int) -> None:
+    """Make ``optimizer.step`` corrupt the finalized gradients / a group before the real update runs."""
+    import torch
+
+    from mcore_compat.selfcheck.reference import core_module
+
+    real = optimizer.step
+    named = [(n, p) for c in chunks for n, p in core_module(c).named_parameters()]
+
+    def faulty(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            if case == "step-negate-norm-grads":
+                for n, p in named:
+                    if "norm" in n:
+                        p.main_grad.neg_()
+            elif case == "step-scale-grads":
+                for _, p in named:
+                    p.main_grad.mul_(3.0)
+            elif case == "step-perturb-rank1" and dp_rank == 1:
+                g = torch.Generator().manual_seed(3)
+                for _, p in named:
+                    p.main_grad.add_(1e-3 * torch.randn(p.main_grad.shape, generator=g).to(p.main_grad))
+            elif case == "step-group-lr":
+                optimizer.param_groups[0]["lr"] *= 10.0
+            elif case == "step-zero-half-grad":
+                _, p = next((n, p) for n, p in named if p.dim() == 2)
+                p.main_grad.view(-1)[: p.numel() // 2].zero_()
+        return real(*args, **kwargs)
+
+    optimizer.step = faulty
 
 
 def run_case(case: str) -> dict[str, Any]:
-    """One case on this rank; returns the merged report's verdicts ``{check name: passed}`` and ``ok``."""
+    """One case on this rank; returns the merged report's verdicts ``{check name: status}`` and ``ok``."""
     from mcore_compat import patches
 
     patches.apply_for_device("cpu")
-    import torch
-
     from mcore_compat import symbols, training
     from mcore_compat.binding import bind_params
-    from mcore_compat.selfcheck import SelfCheckOptions, check_training_step
-    from mcore_compat.selfcheck.models import MICRO_BATCH, MICROBATCHES, SEQ, build_model, make_batches
-    from mcore_compat.selfcheck.worker import _forward_step, _rebind_outside
+    from mcore_compat.selfcheck import SelfCheckOptions, check_training_step, models
+    from mcore_compat.selfcheck.worker import _rebind_outside, no_decay
 
-    pp = 2 if case == "good-pp2" else 1
-    opts = SelfCheckOptions(nproc=2, tp=1, pp=pp, dp=2 // pp, device="cpu", model="gpt")
+    pp, dtype, reference = CASES[case]
+    opts = SelfCheckOptions(nproc=2, tp=1, pp=pp, dp=2 // pp, device="cpu", model="gpt", dtype=dtype,
+                            seed=7).resolved()
     ps = symbols.resolve("parallel_state")
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp)
-    torch.manual_seed(7)
-    symbols.resolve("model_parallel_cuda_manual_seed")(7)
-    module, _ = build_model(opts)
-    chunks = training.wrap_ddp([module], ddp_config=training.DDPConfig(use_distributed_optimizer=True))
+    models.init_parallel(opts)
+    import torch
+
+    modules, _ = models.build_chunks(opts)
+    chunks = training.wrap_ddp(modules, ddp_config=training.DDPConfig(use_distributed_optimizer=True,
+                                                                      grad_reduce_in_fp32=dtype == "bf16"))
     optimizer = training.get_megatron_optimizer(
-        training.OptimConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True), chunks)
+        training.OptimConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, use_distributed_optimizer=True,
+                             bf16=dtype == "bf16",
+                             params_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32),
+        chunks, no_weight_decay_cond=no_decay)
+    training.set_lr_and_weight_decay(optimizer, 1e-2, 0.1)
     training.install_training_hooks(chunks, optimizer)
     binding = bind_params(chunks)
     if case == "no-hook":
         symbols.resolve("get_model_config")(chunks[0]).finalize_model_grads_func = None
     if case == "rebind-after-bind":
         _rebind_outside(chunks[0])
-    batches = make_batches(opts, ps.get_data_parallel_rank())
-    report = check_training_step(chunks, optimizer, _forward_step(opts), iter(batches),
-                                 num_microbatches=MICROBATCHES, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
-                                 binding=binding)
+    if case.startswith("step-"):
+        _wrap_step(optimizer, chunks, case, ps.get_data_parallel_rank())
+    batches = models.make_batches(opts, ps.get_data_parallel_rank())
+    report = check_training_step(chunks, optimizer, models.forward_step(opts), iter(batches),
+                                 num_microbatches=models.MICROBATCHES, seq_length=models.SEQ,
+                                 micro_batch_size=models.MICRO_BATCH, binding=binding, reference=reference)
     ps.destroy_model_parallel()
-    return {"ok": report.ok, "checks": {c.name: c.passed for c in report.checks}, "text": report.render()}
+    return {"ok": report.ok, "checks": {c.name: c.status for c in report.checks}, "text": report.render(),
+            "settings": report.settings}
 
 
 def run_all() -> dict[str, dict[str, Any]]:

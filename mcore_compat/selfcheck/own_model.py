@@ -1,4 +1,4 @@
-"""The self-check's checks on the caller's own model: one real training step at start-up, verified.
+"""The self-check's proof on the caller's own model: one real training step at start-up, verified.
 
 Training code calls it on every rank after building DDP, the optimizer and the hooks (and, optionally, the
 binding), inside its own process groups::
@@ -10,21 +10,53 @@ binding), inside its own process groups::
     if not report.ok:
         raise SystemExit(report.render())
 
-There is no plain-PyTorch reference for an arbitrary model, so the checks are those that need none: hooks
-installed on the config the model uses, every trainable parameter changed by the step, data-parallel ranks
-identical after it, parameters still in DDP's param buffer (0.6+ distributed optimizer), and with a binding: it
-verifies, its flat buffers hold the new weights, and (PP > 1) ``gather_pipeline`` equals every stage's weights.
-The step is a real one: the model has trained one step afterwards.
+The step is a real one (the model has trained one step afterwards) and is proven without a hand-written
+reference (:mod:`~mcore_compat.selfcheck.verify`): the finalized gradients equal those of a plain-autograd copy
+of the model on the same micro-batches, reduced by hand; each main param's update equals the optimizer's own
+rule recomputed in float64 from the pre-step state; the reported gradient norm equals the one recomputed here;
+model params equal the main params cast to the model dtype; replicated params are bit-identical over their
+groups; and the hooks, DDP's param buffer and the binding are intact.
+
+Cost: the copy is one more model in memory (its parameters and buffers, and a gradient and a bound per
+parameter while the reference runs) plus one more forward and backward; the pre-step snapshot of the main
+params, their state and gradients is about four fp32 copies of this rank's main params. The report's settings
+say how many bytes (``reference_bytes``, ``snapshot_bytes``). ``reference=False`` skips the copy (the rule, the
+norm, the model params and the replicas are still proven).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from .report import Check, Report, merge_rank_checks
 
 __all__ = ["check_training_step"]
+
+
+def _materialize(data_iterator: Any, n_chunks: int, num_microbatches: int) -> list[list[Any] | None]:
+    """Per chunk, the micro-batches its iterator yields in one step (``None`` where the stage reads none)."""
+    iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator] * n_chunks
+    if isinstance(data_iterator, list) and len(iterators) != n_chunks:
+        raise ValueError(f"data_iterator: {len(iterators)} iterators for {n_chunks} model chunks")
+    out: list[list[Any] | None] = []
+    taken: dict[int, list[Any]] = {}
+    for it in iterators:
+        if it is None:
+            out.append(None)
+        elif id(it) in taken:  # the same iterator for every chunk (no virtual pipelining)
+            out.append(taken[id(it)])
+        else:
+            batch = list(itertools.islice(it, num_microbatches))
+            taken[id(it)] = batch
+            out.append(batch)
+    return out
+
+
+def _iterators(batches: list[list[Any] | None], as_list: bool) -> Any:
+    its = [None if b is None else iter(b) for b in batches]
+    return its if as_list else its[0]
 
 
 def check_training_step(
@@ -37,65 +69,74 @@ def check_training_step(
     seq_length: int | None = None,
     micro_batch_size: int | None = None,
     binding: Any = None,
+    reference: bool = True,
     **schedule_kwargs: Any,
 ) -> Report:
-    """Run one training step of the caller's model through mcore_compat and check it (collective: every rank).
+    """Run one training step of the caller's model through mcore_compat and prove it (collective: every rank).
 
     Args:
         model_chunks: the DDP-wrapped chunks (a list, or one chunk).
         optimizer: the optimizer built for them (:func:`mcore_compat.training.get_megatron_optimizer`).
         forward_step_func, data_iterator, num_microbatches, seq_length, micro_batch_size, schedule_kwargs: as
-            for :func:`mcore_compat.training.forward_backward`.
+            for :func:`mcore_compat.training.forward_backward`. ``num_microbatches`` micro-batches are taken
+            from each iterator first (the reference sees the same ones).
         binding: a :class:`~mcore_compat.binding.ParamBinding` of these chunks, to check it too.
+        reference: build the plain-autograd copy for the gradient check (one more model in memory).
 
     Returns:
-        The merged report of all ranks (a check fails if it failed on any rank; ``failed_ranks`` names them).
+        The merged report of all ranks (a check fails if it failed on any rank; ``Check.ranks`` names them).
     """
-    import torch
     import torch.distributed as dist
 
     from .. import symbols, training
-    from .worker import _binding_checks, _buffer_alias_check, _core, _dp_consistency, _pipeline_gather_check
+    from .verify import StepVerifier
+    from .worker import _binding_checks, _buffer_alias_check, _pipeline_gather_check
 
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     ps = symbols.resolve("parallel_state")
     checks: list[Check] = []
+    hooks_ok = True
     try:
         training.check_training_hooks(chunks)
         checks.append(Check("training_hooks_installed", True, "finalize_model_grads_func set on the config the "
                                                               "model uses"))
     except training.MissingTrainingHookError as exc:
+        hooks_ok = False
         checks.append(Check("training_hooks_installed", False, str(exc)))
-
-    before = {f"{i}.{n}": p.detach().float().clone() for i, c in enumerate(chunks)
-              for n, p in _core(c).named_parameters() if p.requires_grad}
+    config = symbols.resolve("get_model_config")(chunks[0])
+    batches = _materialize(data_iterator, len(chunks), num_microbatches)
+    as_list = isinstance(data_iterator, list)
+    verifier = StepVerifier(chunks, optimizer, reference=reference, continuity=False,
+                            per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)))
+    verifier.before_step()
     training.zero_grad_buffer(chunks, optimizer)
-    training.forward_backward(forward_step_func, data_iterator, chunks if len(chunks) > 1 else chunks[0],
-                              num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-                              check_hooks=False, **schedule_kwargs)
+    model = chunks if len(chunks) > 1 else chunks[0]
+    stored = training.forward_backward(forward_step_func, _iterators(batches, as_list), model, num_microbatches,
+                                       seq_length=seq_length, micro_batch_size=micro_batch_size,
+                                       check_hooks=False, **schedule_kwargs)
+    verifier.after_backward(forward_step_func, batches, num_microbatches, stored)
     ok, norm, _ = training.optimizer_step(optimizer)
-    after = {f"{i}.{n}": p.detach().float() for i, c in enumerate(chunks) for n, p in _core(c).named_parameters()
-             if p.requires_grad}
-    unchanged = [n for n in before if torch.equal(before[n], after[n])]
-    checks.append(Check("all_params_changed", bool(ok) and not unchanged,
-                        f"{len(before) - len(unchanged)}/{len(before)} trainable parameters changed "
-                        f"(step successful: {bool(ok)}, grad norm {norm})" +
-                        (f"; unchanged: {', '.join(unchanged[:5])}" if unchanged else ""),
-                        {"unchanged": unchanged, "grad_norm": None if norm is None else float(norm)}))
-    for chunk in chunks:
-        checks.append(_dp_consistency(chunk, ps))
+    verifier.after_step(ok, norm)
+    if any(bool(getattr(getattr(c, "ddp_config", c), "overlap_param_gather", False)) for c in chunks):
+        # the all-gather of the updated params happens in the next forward
+        training.forward_backward(forward_step_func, _iterators(batches, as_list), model, num_microbatches,
+                                  seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=True,
+                                  check_hooks=False, **schedule_kwargs)
+    verifier.final_replicas()
+    checks.extend(verifier.checks())
     alias = _buffer_alias_check(chunks)
     if alias is not None:
         checks.append(alias)
     if binding is not None:
-        if len(chunks) == 1:
-            single = {n.split(".", 1)[1]: t for n, t in before.items()}
-            checks.extend(_binding_checks(binding, chunks[0], single))
+        checks.extend(_binding_checks(binding, chunks))
         if ps.get_pipeline_model_parallel_world_size() > 1:
             checks.append(_pipeline_gather_check(binding, ps))
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, checks)
     report = Report(settings={"world_size": dist.get_world_size(), "chunks": len(chunks),
-                              "num_microbatches": num_microbatches, "bind": binding is not None})
+                              "num_microbatches": num_microbatches, "bind": binding is not None,
+                              "reference": reference, "hooks_installed": hooks_ok,
+                              "reference_bytes": verifier.reference_bytes,
+                              "snapshot_bytes": verifier.snapshot_bytes})
     report.checks = merge_rank_checks(gathered)
     return report

@@ -135,13 +135,15 @@ class PlainReference:
                     dup.copy_(orig)
 
     # -------------------------------------------------------------------------------------------- pipeline
-    def run(self, forward_step_func: Callable[..., Any], batches: Sequence[Sequence[Any]], num_microbatches: int,
+    def run(self, forward_step_func: Callable[..., Any], batches: Sequence[Sequence[Any] | None],
+            num_microbatches: int,
             *, loss_scale: float = 1.0) -> GradReference:
         """The reference gradients of one step (collective over every rank of the run).
 
         Args:
             forward_step_func: the same ``forward_step_func(data_iterator, model)`` the schedule gets.
-            batches: per model chunk, the micro-batches its data iterator yields (the same list the step used).
+            batches: per model chunk, the micro-batches its data iterator yields (the same list the step used),
+                ``None`` for a chunk whose stage reads no data (its forward step gets ``None``).
             num_microbatches: micro-batches per step.
             loss_scale: the optimizer's loss scale (the schedule multiplies the loss by it before backward).
         """
@@ -153,7 +155,7 @@ class PlainReference:
         mag: dict[Any, Any] = {}
         out = GradReference()
         per_token: list[Any] = []
-        iters = [iter(b) for b in batches]
+        iters = [None if b is None else iter(b) for b in batches]
         stages = g.pp * len(self.copies)
         for _mb in range(num_microbatches):
             saved: dict[int, tuple[Any, Any]] = {}
@@ -219,31 +221,31 @@ class PlainReference:
     def _reduce(self, acc: dict[Any, Any], mag: dict[Any, Any], terms: dict[Any, int], per_token: list[Any]
                 ) -> None:
         import torch
-        import torch.distributed as dist
 
         g = self.groups
         per_token_mode = self.per_token_loss
-        for p in acc:
-            expert = _is_expert(p)
+        scale = 1.0 if per_token_mode else 1.0 / g.dp_size
+        for expert in (False, True):
             group = g.edp if expert else g.dp
-            size = _group_size(group)
-            scale = 1.0 if per_token_mode else 1.0 / g.dp_size
+            members = [p for p in acc if _is_expert(p) == expert]
             if scale != 1.0:
-                acc[p].mul_(scale)
-                mag[p].mul_(scale)
-            if size > 1:
-                dist.all_reduce(acc[p], group=group)
-                dist.all_reduce(mag[p], group=group)
-                terms[p] *= size
+                for p in members:
+                    acc[p].mul_(scale)
+                    mag[p].mul_(scale)
+            if _group_size(group) > 1 and members:
+                _all_reduce_coalesced([acc[p] for p in members] + [mag[p] for p in members], group)
+                for p in members:
+                    terms[p] *= _group_size(group)
         if g.tp > 1:
-            for p in acc:
-                if getattr(p, "sequence_parallel", False) or getattr(p, "average_gradients_across_tp_domain", False):
-                    dist.all_reduce(acc[p], group=g.tp_group)
-                    dist.all_reduce(mag[p], group=g.tp_group)
-                    terms[p] *= g.tp
-                    if getattr(p, "average_gradients_across_tp_domain", False):
-                        acc[p].div_(g.tp)
-                        mag[p].div_(g.tp)
+            members = [p for p in acc if getattr(p, "sequence_parallel", False)
+                       or getattr(p, "average_gradients_across_tp_domain", False)]
+            if members:
+                _all_reduce_coalesced([acc[p] for p in members] + [mag[p] for p in members], g.tp_group)
+            for p in members:
+                terms[p] *= g.tp
+                if getattr(p, "average_gradients_across_tp_domain", False):
+                    acc[p].div_(g.tp)
+                    mag[p].div_(g.tp)
         tied = g.tied_weight(self.originals)
         if tied is not None and tied in acc:
             for table in (acc, mag):
@@ -256,6 +258,23 @@ class PlainReference:
                 if total > 0:
                     acc[p].mul_(1.0 / float(total))
                     mag[p].mul_(1.0 / float(total))
+
+
+def _all_reduce_coalesced(tensors: list[Any], group: Any) -> None:
+    """Sum ``tensors`` over ``group``, one collective per dtype (element-wise the same sums as one by one)."""
+    import torch
+    import torch.distributed as dist
+
+    by_dtype: dict[Any, list[Any]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 def _unit_roundoff(dtype: Any) -> float:

@@ -144,6 +144,7 @@ class StepVerifier:
         self.unchanged: list[str] = []
         self.reference: PlainReference | None = None
         self.reference_bytes = 0
+        self.snapshot_bytes = 0
         if reference:
             self.reference = PlainReference(self.chunks, self.groups, _grad_dtype, per_token_loss=per_token_loss)
             self.reference_bytes = self.reference.nbytes()
@@ -215,14 +216,17 @@ class StepVerifier:
             self._pre[id(mp)] = _Pre(mp.main.detach().float().clone(), _clone_state(_state_of(mp)),
                                      None if mp.group is None else {k: mp.group[k] for k in _HYPER_KEYS
                                                                     if k in mp.group})
+        self.snapshot_bytes = sum(_nbytes(pre.p0) + sum(_nbytes(v) for v in pre.state0.values())
+                                  for pre in self._pre.values())
 
-    def after_backward(self, forward_step_func: Callable[..., Any] | None, batches: Sequence[Sequence[Any]],
+    def after_backward(self, forward_step_func: Callable[..., Any] | None, batches: Sequence[Sequence[Any] | None],
                        num_microbatches: int, losses: Sequence[Any] = ()) -> None:
         """After ``forward_backward``: snapshot the finalized gradients, check the forward's replicas, and
         compare the gradients (and losses) with the reference (collective)."""
         for mp in self.view:
             g = mp.finalized_grad()
             self._pre[id(mp)].grad = None if g is None else g.detach().clone()
+            self.snapshot_bytes += _nbytes(self._pre[id(mp)].grad)
         self._replicas(f"step {self.step_index}")
         if self.reference is None or forward_step_func is None:
             return
@@ -544,6 +548,10 @@ def _verdict(name: str, t: _Tally, detail: str, na: str,
             t.failures[:3])
         return Check(name, False, text, {"failures": t.failures, "worst": t.worst})
     return Check(name, True, detail, {"worst": t.worst, "where": t.where, "elements": t.elements})
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size() if hasattr(t, "element_size") else 0
 
 
 def _grad_dtype(param: Any) -> Any:

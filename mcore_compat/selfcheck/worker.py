@@ -11,9 +11,10 @@ from collections.abc import Callable
 from typing import Any
 
 from . import models
+from .optimizer_view import optimizer_view
 from .options import SelfCheckOptions
 from .report import Check
-from .verify import StepVerifier
+from .verify import StepVerifier, named_trainable
 
 __all__ = ["run_rank"]
 
@@ -305,8 +306,8 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
     except training.MissingTrainingHookError as exc:
         checks.append(Check("training_hooks_installed", False, str(exc)))
 
+    _inject_group_fault(opts, optimizer, optimizer_view(optimizer, named_trainable(chunks)))
     verifier = StepVerifier(chunks, optimizer, reference=True, continuity=True)
-    _inject_group_fault(opts, optimizer, verifier.view)
     checks.append(_param_groups_check(verifier.view, opts))
     batches = models.make_batches(opts, ps.get_data_parallel_rank())
     per_chunk = [batches] * len(chunks)
