@@ -157,3 +157,10 @@ def forward_step(opts: SelfCheckOptions) -> Any:
         return out, loss_func
 
     return step
+
+
+def unsupported_reason(opts: SelfCheckOptions) -> str | None:
+    """``None`` if the installed release can run ``opts`` on its device, else the release limit in one line."""
+    if opts.sequence_parallel or (opts.vpp or 1) > 1 or opts.overlap or opts.experts:
+        return "not built yet by this self-check"
+    return None

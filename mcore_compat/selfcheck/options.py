@@ -150,6 +150,22 @@ class SelfCheckOptions:
         return replace(self, tp=tp, pp=pp, dp=dp, device=device, sequence_parallel=sp, vpp=vpp, ep=ep,
                        grad_reduce_in_fp32=fp32_grads)
 
+    def label(self) -> str:
+        """A short name of the configuration, e.g. ``tp2-sp-pp1-distopt-bf16`` (parallel sizes as given)."""
+        parts = [f"tp{self.tp or 1}"]
+        if self.sequence_parallel or (self.sequence_parallel is None and (self.tp or 1) > 1):
+            parts.append("sp")
+        parts.append(f"pp{self.pp or 1}")
+        if (self.vpp or 1) > 1:
+            parts.append(f"vpp{self.vpp}")
+        if self.experts:
+            parts.append(f"moe{self.experts}-ep{self.ep or 1}")
+        if self.overlap:
+            parts.append("overlap")
+        parts.append("distopt" if self.distributed_optimizer else "plain")
+        parts.append(self.dtype)
+        return "-".join(parts)
+
     def as_dict(self) -> dict[str, Any]:
         """The options as a plain dict (for reports)."""
         return asdict(self)

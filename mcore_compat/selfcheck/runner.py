@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -47,11 +48,16 @@ def run(options: SelfCheckOptions | None = None, **overrides: Any) -> Report:
     Raises:
         UsageError: the options cannot work together.
     """
-    from dataclasses import replace
-
     opts = replace(options or SelfCheckOptions(), **overrides) if overrides else (options or SelfCheckOptions())
     torchrun = _under_torchrun(opts)
     opts = opts.resolved()
+    from . import models
+
+    why = models.unsupported_reason(opts)
+    if why is not None:
+        from ..detect import detect
+
+        raise UsageError(f"megatron-core {detect().version} cannot run {opts.label()}: {why}")
     report = Report(settings={k: v for k, v in opts.as_dict().items() if k not in ("timeout",)})
     if torchrun:
         import torch.distributed as dist
@@ -133,8 +139,6 @@ def run_sweep(configs: list[SelfCheckOptions], nproc: int, *, device: str | None
         One :class:`Report` per configuration, in order. A configuration that raised on some rank gets
         ``report.error`` set; a rank that dies or hangs fails every report of the sweep (named ranks).
     """
-    from dataclasses import replace
-
     resolved = [replace(c, nproc=nproc, device=device or c.device).resolved() for c in configs]
     reports = [Report(settings={k: v for k, v in c.as_dict().items() if k != "timeout"}) for c in resolved]
     run_on = resolved[0].device or "cpu"
@@ -162,15 +166,34 @@ def run_sweep(configs: list[SelfCheckOptions], nproc: int, *, device: str | None
     return reports
 
 
-def standard_sweep(nproc: int = 2, **common: Any) -> list[SelfCheckOptions]:
-    """The configurations the matrix checks on every release: DP=nproc and TP=nproc, distributed optimizer on
-    and off, then PP=nproc with the distributed optimizer (pipeline gather); all with ``bind=True`` unless
-    ``common`` says otherwise (``common`` sets the rest, e.g. ``dtype="bf16"``)."""
+def standard_sweep(nproc: int = 2, *, with_skipped: bool = False, **common: Any) -> Any:
+    """The configurations the matrix checks on every release, for ``nproc`` ranks (``common`` sets the rest,
+    e.g. ``dtype="bf16"``; ``bind=True`` unless it says otherwise):
+
+    data parallel with the distributed optimizer on and off; tensor parallel with sequence parallelism;
+    pipeline parallel with tied embeddings (binding + pipeline gather); pipeline parallel with two virtual stages
+    per rank; data parallel with overlapped gradient reduction and parameter gather; MoE with expert
+    parallelism. Configurations the installed release cannot run (:func:`~.models.unsupported_reason`) are left
+    out; with ``with_skipped=True`` the result is ``(configs, [(label, reason), ...])``.
+    """
+    from . import models
+
     common = {"bind": True, **common}
-    out = []
-    for tp in (1, nproc) if nproc > 1 else (1,):
-        for distopt in (True, False):
-            out.append(SelfCheckOptions(tp=tp, pp=1, distributed_optimizer=distopt, **common))
+    candidates = [SelfCheckOptions(tp=1, pp=1, distributed_optimizer=True, **common),
+                  SelfCheckOptions(tp=1, pp=1, distributed_optimizer=False, **common)]
     if nproc > 1:
-        out.append(SelfCheckOptions(tp=1, pp=nproc, distributed_optimizer=True, **common))
-    return out
+        candidates += [
+            SelfCheckOptions(tp=nproc, pp=1, distributed_optimizer=True, sequence_parallel=True, **common),
+            SelfCheckOptions(tp=1, pp=nproc, distributed_optimizer=True, **common),
+            SelfCheckOptions(tp=1, pp=nproc, vpp=2, distributed_optimizer=True, **common),
+            SelfCheckOptions(tp=1, pp=1, distributed_optimizer=True, overlap=True, **common),
+            SelfCheckOptions(tp=1, pp=1, distributed_optimizer=True, experts=nproc, ep=nproc, **common),
+        ]
+    configs, skipped = [], []
+    for c in candidates:
+        why = models.unsupported_reason(replace(c, nproc=nproc).resolved())
+        if why is None:
+            configs.append(c)
+        else:
+            skipped.append((c.label(), why))
+    return (configs, skipped) if with_skipped else configs
