@@ -35,10 +35,10 @@ import _common as C
 HERE = Path(__file__).resolve().parent
 #: The benchmarks, in run order; ``ppo_actor_overhead`` (written separately) runs too where the file exists.
 BENCHMARKS = tuple(b for b in ("import_cost", "step_overhead", "binding_memory", "pipeline_gather",
-                               "ppo_actor_overhead") if (HERE / f"{b}.py").is_file())
+                               "ppo_actor_overhead", "check_step_cost") if (HERE / f"{b}.py").is_file())
 #: Per-benchmark time limits in seconds (cuda, cpu).
 TIMEOUTS = {"import_cost": (560, 300), "step_overhead": (240, 180), "binding_memory": (180, 120),
-            "pipeline_gather": (300, 240), "ppo_actor_overhead": (240, 180)}
+            "pipeline_gather": (300, 240), "ppo_actor_overhead": (240, 180), "check_step_cost": (300, 180)}
 
 
 def unpack(wheel: Path, dest: Path) -> None:

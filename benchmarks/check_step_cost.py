@@ -1,0 +1,123 @@
+"""What ``check_training_step`` costs on the benchmark GPT, in training steps and in bytes.
+
+One rank trains the benchmark GPT (``_gpt.py``; bf16, distributed optimizer, weight decay, clipping) through
+``mcore_compat.training``. Interleaved: plain training steps and ``check_training_step`` calls (each is a real,
+verified training step), with the reference copy (``reference=True``) and without it. Reported:
+
+* time of one ``check_training_step`` / median time of one plain step (``x`` training steps), with and without
+  the reference;
+* bytes: the reference copy (``reference_bytes``), the pre-step snapshot (``snapshot_bytes``), and on CUDA the
+  peak allocated memory during the check above the peak of a plain step, next to the model's parameter bytes.
+
+    python3 benchmarks/check_step_cost.py --device cuda      # 8 layers, hidden 1024, seq 512, bf16
+    python3 benchmarks/check_step_cost.py --device cpu       # tiny GPT (smoke)
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C
+import _gpt as G
+
+NAME = "check_step_cost"
+LR = 1e-5
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = C.parser(__doc__)
+    G.add_args(p)
+    p.add_argument("--reps", type=int, default=None, help="checks per variant (default: 5 on cuda, 3 on cpu)")
+    args = p.parse_args(argv)
+    spec = G.spec_from_args(args)
+    reps = args.reps or (5 if args.device == "cuda" else 3)
+    patches, _ps = C.single_rank_megatron(args.device)
+    import torch
+
+    from mcore_compat import training as mt
+    from mcore_compat.selfcheck import check_training_step
+
+    module = G.build_gpt(spec, args.seed)
+    chunks = mt.wrap_ddp([module], ddp_config=mt.DDPConfig(use_distributed_optimizer=True,
+                                                           grad_reduce_in_fp32=spec.dtype == "bf16"))
+    optimizer = mt.get_megatron_optimizer(mt.OptimConfig(
+        optimizer="adam", lr=LR, weight_decay=0.1, clip_grad=1.0, bf16=spec.dtype == "bf16",
+        params_dtype=torch.bfloat16 if spec.dtype == "bf16" else torch.float32, use_distributed_optimizer=True),
+        chunks, no_weight_decay_cond=lambda n, p: n.endswith(".bias") or p.dim() == 1)
+    mt.set_lr_and_weight_decay(optimizer, LR, 0.1)
+    mt.install_training_hooks(chunks, optimizer)
+    batches = G.make_batches(spec, args.seed, spec.microbatches)
+    kw = dict(seq_length=spec.seq, micro_batch_size=spec.micro_batch)
+
+    def plain() -> None:
+        mt.zero_grad_buffer(chunks, optimizer)
+        mt.forward_backward(G.forward_step, iter(batches), chunks, spec.microbatches, **kw)
+        mt.optimizer_step(optimizer)
+
+    def check(reference: bool) -> Any:
+        return check_training_step(chunks, optimizer, G.forward_step, iter(batches),
+                                   num_microbatches=spec.microbatches, reference=reference, **kw)
+
+    def peak_of(fn: Any) -> tuple[float, int, Any]:
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        seconds, result = C.timed(fn, args.device)
+        peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
+        return seconds, peak, result
+
+    for _ in range(2):  # warm-up
+        plain()
+    check(True)
+    plain_t, plain_peak, ref_t, ref_peak, noref_t, noref_peak = [], [], [], [], [], []
+    reports: dict[str, Any] = {}
+    for _ in range(reps):
+        for _ in range(3):
+            t, peak, _r = peak_of(plain)
+            plain_t.append(t)
+            plain_peak.append(peak)
+        t, peak, rep = peak_of(lambda: check(True))
+        ref_t.append(t)
+        ref_peak.append(peak)
+        reports["reference"] = rep
+        t, peak, rep = peak_of(lambda: check(False))
+        noref_t.append(t)
+        noref_peak.append(peak)
+        reports["no_reference"] = rep
+    step = statistics.median(plain_t)
+    params = G.param_bytes(module)
+    ref_settings = reports["reference"].settings
+    results = {
+        "plain_step_s": C.stats(plain_t), "check_reference_s": C.stats(ref_t), "check_no_reference_s":
+        C.stats(noref_t), "param_bytes": params, "reference_bytes": ref_settings["reference_bytes"],
+        "snapshot_bytes": ref_settings["snapshot_bytes"],
+        "peak_plain_bytes": max(plain_peak), "peak_check_reference_bytes": max(ref_peak),
+        "peak_check_no_reference_bytes": max(noref_peak),
+        "reports_ok": {k: r.ok for k, r in reports.items()},
+        "summaries": {k: r.summary_line() for k, r in reports.items()}, "patches": patches,
+    }
+    extra_peak = (max(ref_peak) - max(plain_peak)) if args.device == "cuda" else None
+    headline = [
+        C.metric("check_training_step (reference) / plain step", statistics.median(ref_t) / step, "steps",
+                 note=f"median of {reps}; plain step {step * 1e3:.1f} ms"),
+        C.metric("check_training_step (reference=False) / plain step", statistics.median(noref_t) / step, "steps"),
+        C.metric("reference copy", ref_settings["reference_bytes"] / params, "x param bytes",
+                 note=C.fmt_bytes(ref_settings["reference_bytes"])),
+        C.metric("pre-step snapshot", ref_settings["snapshot_bytes"] / params, "x param bytes",
+                 note=C.fmt_bytes(ref_settings["snapshot_bytes"])),
+        C.metric("peak memory above a plain step (reference)",
+                 None if extra_peak is None else extra_peak / params, "x param bytes",
+                 note="" if extra_peak is None else C.fmt_bytes(extra_peak)),
+        C.metric("verdicts", float(all(r.ok for r in reports.values())), "all ok", goal="== 1"),
+    ]
+    C.write_result(NAME, args.device, args.out, config={"spec": spec.as_dict(), "reps": reps, "lr": LR},
+                   results=results, headline=headline)
+    return 0 if all(r.ok for r in reports.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
