@@ -5,9 +5,9 @@ Reproduces the GPU column of matrix/ from one command on a GPU machine (no packa
     python3 scripts/gpu_matrix.py --wheels .whl --out results/ 0.16.1 0.19.2
 
 Each release's wheel is unpacked (its pure-Python ``megatron/`` tree; cp311 wheels work on other Pythons) into a
-private directory that is put first on ``sys.path`` of a fresh subprocess. Configurations per release: 1 GPU
-(distributed optimizer on and off), and if two GPUs are visible, DP=2 and PP=2 (distributed optimizer on and
-off) and TP=2, all bf16. Then ``python3 scripts/record_gpu_results.py results/`` on the development machine
+private directory that is put first on ``sys.path`` of a fresh subprocess. Configurations per release, all bf16
+with weight decay and clipping: 1 GPU, distributed optimizer on and off, at lr 1e-2 and 1e-6; if two GPUs are
+visible, also the self-check's standard sweep for 2 ranks (``standard_sweep(2)``). Then ``python3 scripts/record_gpu_results.py results/`` on the development machine
 writes them into matrix/results.json.
 """
 
@@ -26,26 +26,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 _CHILD = r"""
 import json, sys
-from mcore_compat.selfcheck import SelfCheckOptions, run_sweep
+from mcore_compat.selfcheck import SelfCheckOptions, run_sweep, standard_sweep
 ngpu, out, timeout = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 common = dict(dtype="bf16", model="gpt", steps=3, device="cuda", bind=True)
-one = [SelfCheckOptions(distributed_optimizer=d, **common) for d in (True, False)]
-two = [SelfCheckOptions(tp=1, pp=1, distributed_optimizer=d, **common) for d in (True, False)]
-two += [SelfCheckOptions(tp=1, pp=2, distributed_optimizer=d, **common) for d in (True, False)]
-two += [SelfCheckOptions(tp=2, pp=1, distributed_optimizer=True, **common)]
+one = [SelfCheckOptions(distributed_optimizer=d, lr=lr, **common) for lr in (1e-2, 1e-6) for d in (True, False)]
+two = standard_sweep(2, **common)
 results = []
 for nproc, configs in ((1, one), (2, two)):
     if nproc > ngpu:
         continue
     for c, r in zip(configs, run_sweep(configs, nproc, device="cuda", timeout=timeout), strict=True):
         results.append({"nproc": nproc, "config": {k: v for k, v in c.__dict__.items() if v is not None},
-                        "ok": r.ok, "summary": r.summary_line(), "error": r.error,
+                        "label": c.label(), "ok": r.ok, "summary": r.summary_line(), "error": r.error,
                         "environment": r.environment,
-                        "checks": [{"name": k.name, "passed": k.passed, "detail": k.detail} for k in r.checks]})
+                        "checks": [{"name": k.name, "status": k.status, "detail": k.detail} for k in r.checks]})
     json.dump(results, open(out, "w"), indent=2, default=str)  # after each sweep: a later hang keeps these
 json.dump(results, open(out, "w"), indent=2, default=str)
-print("\n".join(f"  {x['nproc']} GPU {x['config'].get('tp', 1)}x{x['config'].get('pp', 1)} "
-                f"distopt={x['config']['distributed_optimizer']}: {x['summary']}" for x in results))
+print("\n".join(f"  {x['nproc']} GPU {x['label']} lr={x['config'].get('lr')}: {x['summary']}" for x in results))
 """
 
 

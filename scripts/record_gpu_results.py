@@ -34,16 +34,19 @@ def load_bundle(path: Path) -> dict[str, Any]:
 
 def _key(run: dict[str, Any]) -> tuple[Any, ...]:
     c = run["config"]
-    return run["nproc"], c.get("tp", 1), c.get("pp", 1), c["distributed_optimizer"]
+    return (run["nproc"], run.get("label") or (c.get("tp", 1), c.get("pp", 1), c["distributed_optimizer"]),
+            c.get("dtype"), float(c.get("lr", 1e-2)))
 
 
 def _config_entry(run: dict[str, Any], env: dict[str, Any]) -> dict[str, Any]:
     c = run["config"]
     return {"date": env.get("date"), "gpus": run["nproc"], "tp": c.get("tp", 1), "pp": c.get("pp", 1),
             "distributed_optimizer": c["distributed_optimizer"], "bind": c.get("bind", False),
-            "dtype": c.get("dtype"), "ok": run["ok"], "summary": run["summary"],
+            "dtype": c.get("dtype"), "lr": float(c.get("lr", 1e-2)), "label": run.get("label"), "ok": run["ok"],
+            "summary": run["summary"],
             "error": (run.get("error") or "").splitlines()[0] if run.get("error") else None,
-            "checks": {k["name"]: k["passed"] for k in run.get("checks", [])}}
+            "checks": {k["name"]: k.get("status", "PASS" if k.get("passed") else "FAIL")
+                       for k in run.get("checks", [])}}
 
 
 def main() -> int:
@@ -72,7 +75,7 @@ def main() -> int:
             envs[version] = env
     for version in sorted(merged, key=lambda v: tuple(int(x) for x in v.split("."))):
         configs = sorted(merged[version].values(), key=lambda c: (c["gpus"], c["tp"], c["pp"],
-                                                                  not c["distributed_optimizer"]))
+                                                                  not c["distributed_optimizer"], -c["lr"]))
         env = envs[version]
         ok = all(c["ok"] for c in configs)
         support.record_result(version, "gpu", {
