@@ -4,8 +4,9 @@
     python3 scripts/record_gpu_results.py --add OUT/        # store OUT/gpu-matrix.json (or a folder of
                                                             # gpu-<V>.json + environment.json) as a bundle first
 
-Bundles are merged in date order: for each release, a configuration (GPUs, TP, PP, distributed optimizer) keeps
-its newest run; the release passes on GPU only if every kept configuration passed. Each configuration is
+Bundles are merged in date order: for each release, a configuration (GPUs, configuration label, dtype, lr) keeps
+its newest run; runs of the self-check that proves every step (they carry a ``label``) supersede the older
+self-check's runs of that release; the release passes on GPU only if every kept configuration passed. Each configuration is
 recorded with its date, environment and per-check verdicts.
 """
 
@@ -74,6 +75,8 @@ def main() -> int:
                 merged.setdefault(version, {})[_key(run)] = _config_entry(run, env)
             envs[version] = env
     for version in sorted(merged, key=lambda v: tuple(int(x) for x in v.split("."))):
+        if any(c["label"] for c in merged[version].values()):  # runs of the per-step-proving self-check supersede
+            merged[version] = {k: c for k, c in merged[version].items() if c["label"]}  # the older self-check's
         configs = sorted(merged[version].values(), key=lambda c: (c["gpus"], c["tp"], c["pp"],
                                                                   not c["distributed_optimizer"], -c["lr"]))
         env = envs[version]
