@@ -469,10 +469,14 @@ latest tested patch of each minor. A version that is not listed (a release candi
 release) is looked up by `mcore-compat doctor`, which names the nearest tested releases.
 
 **CPU**: the release's nox session (pytest counts) and its `mcore-compat self-check --nproc 2 --sweep --bind`
-(DP=2 and TP=2 with the distributed optimizer on and off, PP=2), on gloo. **GPU**: `scripts/gpu_matrix.py` on
-NVIDIA H200 with NCCL: the self-check in bf16 with `--bind` on 1 GPU (distributed optimizer on and off) and, where
-a 2-GPU machine was lent, DP=2, PP=2 and TP=2; per-configuration results are in `results.json`, the raw runs in
-`gpu-runs/` (`python3 scripts/record_gpu_results.py` re-records them).
+(the standard configurations the release can run: DP=2 with the distributed optimizer on and off, TP=2 with
+sequence parallelism, PP=2 with tied embeddings, PP=2 with virtual stages, overlapped DP, MoE with expert
+parallelism), on gloo. **Faults caught**: the fault-injection suite (`tests/test_selfcheck_real.py`), every fault
+that can exist on the release injected where the real bug acts, in fp32 and bf16; a fault counts as caught when
+the self-check FAILS naming the right check (and the clean configurations PASS). **GPU**: `scripts/gpu_matrix.py`
+on NVIDIA H200 with NCCL: the self-check in bf16 with `--bind` on 1 GPU (distributed optimizer on and off, lr
+1e-2 and 1e-6) and, where a 2-GPU machine was lent, the standard sweep on 2 GPUs; per-configuration results are
+in `results.json`, the raw runs in `gpu-runs/` (`python3 scripts/record_gpu_results.py` re-records them).
 """
 
 
@@ -510,15 +514,28 @@ def _result_cell(result: Mapping[str, Any] | None) -> str:
     return _cell(text)
 
 
+def _faults_cell(result: Mapping[str, Any] | None) -> str:
+    """``28/28 (100 %)`` from a CPU result's ``fault_detection`` (``—`` when not recorded)."""
+    faults = (result or {}).get("fault_detection")
+    if not isinstance(faults, Mapping) or not faults.get("faults"):
+        return "—"
+    caught, total = int(faults.get("caught", 0)), int(faults["faults"])
+    text = f"{caught}/{total} ({100.0 * caught / total:.0f} %)"
+    if faults.get("clean") and faults.get("clean_pass") != faults.get("clean"):
+        text += f"; clean {faults.get('clean_pass')}/{faults.get('clean')}"
+    return text
+
+
 def _render(releases: Iterable[Release], recorded: Mapping[str, Mapping[str, Any]],
             bases: Mapping[str, list[str]]) -> str:
-    lines = [_HEADER, "| megatron-core | tags | Python | limits | install | CPU | GPU | notes |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [_HEADER, "| megatron-core | tags | Python | limits | install | CPU | faults caught | GPU | notes |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in releases:
         res = recorded.get(str(r.version), {})
         tags = ", ".join(t for t in r.tags if t in ("min", "latest", "oldest", "newest"))
         lines.append(f"| {r.version} | {tags} | {r.python} | {_limits_cell(r)} | {_install_cell(r)} | "
-                     f"{_result_cell(res.get('cpu'))} | {_result_cell(res.get('gpu'))} | {_cell(r.notes)} |")
+                     f"{_result_cell(res.get('cpu'))} | {_faults_cell(res.get('cpu'))} | "
+                     f"{_result_cell(res.get('gpu'))} | {_cell(r.notes)} |")
     lines += ["", "## Base environments", "",
               "Each Python has one shared environment; a release's limits must hold in its base "
               "(the noxfile checks this before running a session).", ""]

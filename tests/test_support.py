@@ -299,3 +299,14 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert marked, ".ci/run should mark the README test command with '# README test command'"
     assert marked.group(1).strip() == commands[1]
     assert "nox -s matrix" in commands[1]
+
+
+def test_faults_cell_shows_the_fault_detection_score() -> None:
+    from mcore_compat.support import _faults_cell
+
+    assert _faults_cell(None) == "—"
+    assert _faults_cell({"result": "pass"}) == "—"
+    assert _faults_cell({"fault_detection": {"caught": 28, "faults": 28, "clean": 7, "clean_pass": 7}}) == \
+        "28/28 (100 %)"
+    assert _faults_cell({"fault_detection": {"caught": 20, "faults": 24, "clean": 7, "clean_pass": 6}}) == \
+        "20/24 (83 %); clean 6/7"
