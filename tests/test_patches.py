@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from packaging.version import Version
 
 from mcore_compat import patches
 from mcore_compat.errors import PatchError, PatchRefusedError
@@ -731,6 +732,37 @@ def test_recorded_target_at_import_is_patched(fake_release: Any, monkeypatch: py
     patches.revert("fp8_noop")
     with pytest.raises(RuntimeError, match="changed"):
         module.quantize_param_shard([])
+
+
+@pytest.mark.unit
+def test_doctor_reports_skipped_and_refused_patches_as_not_applied(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mcore_compat.patches import _registry
+
+    from mcore_compat.cli import doctor
+
+    patches.apply("cuda_sync", version="0.12.3")
+    _installed_as(monkeypatch, _CHANGED_SOURCE)
+    monkeypatch.setitem(_registry._SKIPPED, "rng", "its target changed")
+    rows = {r["name"]: r for r in doctor._patches(Version("0.12.3"))}
+    assert rows["cuda_sync"]["applied"] and not rows["cuda_sync"]["refused"]
+    assert not rows["rng"]["applied"] and rows["rng"]["skipped"] == "its target changed"
+    assert not rows["stale_embedding_ranks"]["applied"]
+    assert "destroy_model_parallel" in rows["stale_embedding_ranks"]["refused"]
+    lines = doctor.render(_doctor_report(rows)).splitlines()
+    states = {line.split()[0]: line for line in lines[lines.index(next(ln for ln in lines if
+                                                                        ln.startswith("patches for"))) + 1:]}
+    assert "APPLIED" in states["cuda_sync"]
+    assert "SKIPPED, not applied (its target changed)" in states["rng"] and "APPLIED" not in states["rng"]
+    assert "REFUSED (patch 'stale_embedding_ranks' refused" in states["stale_embedding_ranks"]
+
+
+def _doctor_report(rows: dict[str, Any]) -> dict[str, Any]:
+    """The smallest report ``doctor.render`` accepts, with ``rows`` as its patches."""
+    return {"mcore_compat": "x", "python": {"version": "3", "executable": "python"}, "torch": {"present": False},
+            "apex": {"present": False}, "transformer_engine": {"present": False},
+            "megatron_core": {"found": True, "version": "0.12.3", "source": "test", "checkout": True, "path": "/x",
+                              "warnings": []},
+            "capabilities": [], "symbols": [], "patches": list(rows.values())}
 
 
 @pytest.mark.mcore
