@@ -72,6 +72,8 @@ TOOLS_PYTHON = "3.11"
 LINT_TOOLS = ("ruff==0.17.6",)
 #: Distributions whose versions are checked against each release's limits.
 LIMITED_DISTS = ("torch", "numpy", "setuptools")
+#: pytest's exit status when it collected no test: the session fails (and counts as an error in the matrix).
+PYTEST_NO_TESTS = 5
 
 nox.needs_version = ">=2025.2.9"
 nox.options.sessions = ["unit", "lint"]
@@ -561,14 +563,14 @@ def _run_pytest(python: str, release: Any | None, marker: str, name: str, out: _
     code = out.run(argv, env=session_env(python, release), check=False)
     result.ran_pytest = True
     _junit_counts(junit, result)
-    if code == 5:
-        out.say("pytest collected no test (exit status 5); counted as passing")
-        result.details = result.details or "no test collected"
+    if code == PYTEST_NO_TESTS:  # a session that tested nothing proves nothing: a wrong path, marker or -k
+        out.say(f"ERROR: pytest collected no test (exit status {code}); a session must run tests")
+        result.details = result.details or f"pytest collected no test (exit status {code})"
     elif code != 0:
         result.details = result.details or f"pytest exited with status {code}"
-        if not (result.failed or result.errors):
-            result.errors += 1
-    result.ok = code in (0, 5)
+    if code != 0 and not (result.failed or result.errors):
+        result.errors += 1
+    result.ok = code == 0
 
 
 def run_release(release: Any, out: _Out, extra: Sequence[str] = ()) -> JobResult:

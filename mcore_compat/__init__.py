@@ -26,6 +26,7 @@ from .errors import (
     McoreCompatError,
     MegatronNotFoundError,
     PatchError,
+    PatchRefusedError,
     SymbolUnavailableError,
     UnsupportedVersionError,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "MegatronInfo",
     "MegatronNotFoundError",
     "PatchError",
+    "PatchRefusedError",
     "SymbolUnavailableError",
     "Unavailable",
     "UnsupportedVersionError",

@@ -6,6 +6,7 @@ __all__ = [
     "McoreCompatError",
     "MegatronNotFoundError",
     "PatchError",
+    "PatchRefusedError",
     "SymbolUnavailableError",
     "UnsupportedVersionError",
 ]
@@ -29,3 +30,8 @@ class SymbolUnavailableError(McoreCompatError, AttributeError):
 
 class PatchError(McoreCompatError):
     """A runtime patch was asked for outside its versions, or failed its check."""
+
+
+class PatchRefusedError(PatchError):
+    """A runtime patch was refused: outside its versions, its check failed, or the Megatron code it changes is not
+    the code it was written for (its fingerprint is not recorded for the patch)."""

@@ -194,37 +194,35 @@ def when_imported(module_name: str, patch_module: Callable[[types.ModuleType], U
     return undo
 
 
-def core_source(relpath: str) -> str | None:
-    """Text of ``megatron/core/<relpath>`` of the installed release, read without importing it (``None`` if absent)."""
-    from ..detect import _locate_core_dir
-    from ..errors import MegatronNotFoundError
+def when_imported_checked(patch: str, module_name: str, patch_module: Callable[[types.ModuleType], Undo]) -> Undo:
+    """:func:`when_imported`, but the loaded module is first checked against ``patch``'s fingerprints (its targets
+    in that module, read from the file it was loaded from): if one is not the code the patch was written for,
+    ``patch_module`` is not run and the patch is undone (:func:`skipped`)."""
 
-    try:
-        path = _locate_core_dir() / relpath
-    except MegatronNotFoundError:
-        return None
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError:
-        return None
+    def checked(module: types.ModuleType) -> Undo:
+        from . import _registry, _targets
+        from ._fingerprints import FINGERPRINTS
 
+        try:
+            from ..detect import detect
 
-def core_defines(module: str, names: Sequence[str]) -> str | None:
-    """``None`` if ``megatron.core.<module>`` defines every one of ``names`` (once imported: as attributes; before
-    that: in its source text, read without importing it), else what is missing (a patch check's answer)."""
-    path = f"megatron/core/{module.replace('.', '/')}.py"
-    loaded = sys.modules.get(f"megatron.core.{module}")
-    if loaded is not None:
-        missing = [n for n in names if not hasattr(loaded, n)]
-        return f"megatron.core.{module} has no {', '.join(missing)}" if missing else None
-    src = core_source(f"{module.replace('.', '/')}.py")
-    if src is None:
-        return f"{path} not found"
-    missing = [n for n in names if n not in src]
-    return f"{path} does not define {', '.join(missing)}" if missing else None
+            version: Any = detect().version
+        except Exception:  # the message names the file anyway
+            version = "(version unknown)"
+        why = _targets.loaded_refusal(patch, _registry.get(patch).targets, module, version,
+                                      FINGERPRINTS.get(patch, {}))
+        if why:
+            return skipped(patch, why)
+        return patch_module(module)
+
+    return when_imported(module_name, checked)
 
 
 def skipped(patch: str, why: str) -> Undo:
-    """Warn that ``patch`` found its target changed when the module was imported, and change nothing."""
-    warnings.warn(f"mcore-compat patch {patch!r} did nothing: {why}", RuntimeWarning, stacklevel=3)
+    """``patch`` found its target changed when the module was imported: warn, undo the whole patch and list it as
+    skipped, not applied (``patches.skipped()``). Returns a no-op undo for the module part, which changed nothing."""
+    from . import _registry
+
+    warnings.warn(f"mcore-compat patch {patch!r} was not applied: {why}", RuntimeWarning, stacklevel=3)
+    _registry.target_changed(patch, why)
     return lambda: None

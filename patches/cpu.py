@@ -14,7 +14,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ._registry import Patch, applied, register
-from ._tools import Changes, Undo, core_source, set_env, skipped, when_imported
+from ._tools import Changes, Undo, set_env, skipped, when_imported_checked
 
 # Resolved at import: the C implementations inherited from TensorBase.
 _OWN_TENSOR_TYPE = torch.Tensor.type
@@ -231,7 +231,7 @@ def _patch_megatron_random(module: types.ModuleType) -> Undo:
         return skipped("rng", f"{module.__name__} has no _set_cuda_rng_state")
     changes = Changes()
     changes.setattr(module, "_set_cuda_rng_state", _megatron_set_rng_state)
-    if callable(getattr(module, "_get_cuda_rng_state", None)):  # 0.13+
+    if callable(getattr(module, "_get_cuda_rng_state", None)):  # not in every release (patches/_fingerprints.py)
         changes.setattr(module, "_get_cuda_rng_state", _megatron_get_rng_state)
     return changes.undo
 
@@ -244,7 +244,7 @@ def _apply_rng() -> Undo:
         changes.setattr(mod, "get_rng_state", _cpu_get_rng_state)
         changes.setattr(mod, "set_rng_state", _cpu_set_rng_state)
         changes.setattr(mod, "manual_seed", _cpu_manual_seed)
-    changes.add(when_imported("megatron.core.tensor_parallel.random", _patch_megatron_random))
+    changes.add(when_imported_checked("rng", "megatron.core.tensor_parallel.random", _patch_megatron_random))
     return changes.undo
 
 
@@ -262,12 +262,14 @@ register(
         purposes=("cpu",),
         description=(
             "torch.cuda.get_rng_state/set_rng_state/manual_seed and Megatron's "
-            "tensor_parallel.random._set_cuda_rng_state (and _get_cuda_rng_state, 0.13+) use the CPU generator, "
+            "tensor_parallel.random._set_cuda_rng_state (and _get_cuda_rng_state where it exists) use the CPU generator, "
             "so model_parallel_cuda_manual_seed and the CudaRNGStatesTracker fork work (same tracker logic, CPU "
             "generator). The Megatron functions are patched when that module is imported (or now, if it is)."
         ),
         apply_fn=_apply_rng,
         check_fn=_check_rng,
+        targets=("megatron.core.tensor_parallel.random:_set_cuda_rng_state",
+                 "megatron.core.tensor_parallel.random:_get_cuda_rng_state"),
     )
 )
 
@@ -288,15 +290,6 @@ def _apply_cuda_arch_env() -> Undo:
     return set_env(_ARCH_ENV, "9.0")
 
 
-def _check_cuda_arch_env() -> str | None:
-    src = core_source("inference/unified_memory.py")
-    if src is None:
-        return "megatron/core/inference/unified_memory.py not found (the import-time JIT build this fixes)"
-    if "load_inline(" not in src:
-        return "megatron/core/inference/unified_memory.py does not call load_inline"
-    return None
-
-
 register(
     Patch(
         name="cuda_arch_env",
@@ -310,9 +303,9 @@ register(
             "fails with an error Megatron catches (a warning). Only needed with a CUDA build of torch and no GPU."
         ),
         apply_fn=_apply_cuda_arch_env,
-        check_fn=_check_cuda_arch_env,
         before_import=True,
         needed_when=_cuda_arch_env_needed,
+        targets=("megatron.core.inference.unified_memory",),
     )
 )
 

@@ -5,12 +5,11 @@ they may be applied before ``import megatron.core`` together with the stubs.
 
 from __future__ import annotations
 
-import sys
 import types
 from typing import Any
 
 from ._registry import Patch, register
-from ._tools import Changes, Undo, core_defines, core_source, skipped, when_imported
+from ._tools import Changes, Undo, skipped, when_imported_checked
 
 
 # ------------------------------------------------------------------------------------------ fp32opt_abstract
@@ -35,20 +34,7 @@ def _patch_fp32_optimizer(module: types.ModuleType) -> Undo:
 
 
 def _apply_fp32opt_abstract() -> Undo:
-    return when_imported("megatron.core.optimizer.optimizer", _patch_fp32_optimizer)
-
-
-def _check_fp32opt_abstract() -> str | None:
-    mod = sys.modules.get("megatron.core.optimizer.optimizer")
-    if mod is not None:
-        cls = getattr(mod, "FP32Optimizer", None)
-        if cls is None or "sharded_state_dict" not in getattr(cls, "__abstractmethods__", ()):
-            return "FP32Optimizer is missing or its sharded_state_dict is not abstract"
-        return None
-    src = core_source("optimizer/optimizer.py")
-    if src is None or "class FP32Optimizer" not in src:
-        return "megatron/core/optimizer/optimizer.py with class FP32Optimizer not found"
-    return None
+    return when_imported_checked("fp32opt_abstract", "megatron.core.optimizer.optimizer", _patch_fp32_optimizer)
 
 
 register(
@@ -63,7 +49,8 @@ register(
             "that raises NotImplementedError (fixed upstream in 0.7.0)."
         ),
         apply_fn=_apply_fp32opt_abstract,
-        check_fn=_check_fp32opt_abstract,
+        targets=("megatron.core.optimizer.optimizer:FP32Optimizer",
+                 "megatron.core.optimizer.optimizer:MegatronOptimizer.sharded_state_dict"),
     )
 )
 
@@ -85,11 +72,7 @@ def _patch_fp8_utils(module: types.ModuleType) -> Undo:
 
 
 def _apply_fp8_noop() -> Undo:
-    return when_imported("megatron.core.fp8_utils", _patch_fp8_utils)
-
-
-def _check_fp8_noop() -> str | None:
-    return core_defines("fp8_utils", ["_quantize_param_shard_impl"])
+    return when_imported_checked("fp8_noop", "megatron.core.fp8_utils", _patch_fp8_utils)
 
 
 def _te_missing() -> bool:
@@ -113,8 +96,8 @@ register(
             "empty call a no-op (what 0.13 does)."
         ),
         apply_fn=_apply_fp8_noop,
-        check_fn=_check_fp8_noop,
         needed_when=_te_missing,
+        targets=("megatron.core.fp8_utils:_quantize_param_shard_impl", "megatron.core.fp8_utils:quantize_param_shard"),
     )
 )
 
@@ -157,12 +140,7 @@ def _patch_parallel_state(module: types.ModuleType) -> Undo:
 
 
 def _apply_stale_embedding_ranks() -> Undo:
-    return when_imported("megatron.core.parallel_state", _patch_parallel_state)
-
-
-def _check_stale_embedding_ranks() -> str | None:
-    return core_defines("parallel_state", ["destroy_model_parallel", "initialize_model_parallel",
-                                           "_POSITION_EMBEDDING_GLOBAL_RANKS"])
+    return when_imported_checked("stale_embedding_ranks", "megatron.core.parallel_state", _patch_parallel_state)
 
 
 register(
@@ -179,6 +157,8 @@ register(
             "(what 0.13 does) and both mean 'not a member' as an empty list."
         ),
         apply_fn=_apply_stale_embedding_ranks,
-        check_fn=_check_stale_embedding_ranks,
+        targets=tuple(f"megatron.core.parallel_state:{name}" for name in (
+            "destroy_model_parallel", "initialize_model_parallel", "is_rank_in_embedding_group",
+            "is_rank_in_position_embedding_group")),
     )
 )

@@ -310,7 +310,7 @@ def megatron_results(rank_group: Any) -> list[dict[str, Any]]:
 def test_layout_of_equals_compute_layout(case: Any, megatron_results: list[dict[str, Any]]) -> None:
     version = megatron_results[0]["version"]
     if not in_range(version, case.versions):
-        pytest.skip(f"case needs megatron-core {case.versions}, have {version}")
+        pytest.skip(f"release limit: megatron-core {version} cannot build this case (it needs {case.versions})")
     per_rank = [r["results"][case.name] for r in megatron_results]
     result = per_rank[0]
     if result["expected_error"] or result["actual_error"]:

@@ -12,12 +12,14 @@ import importlib.util
 import os
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
+from packaging.version import Version
 
 from mcore_compat import patches
-from mcore_compat.errors import PatchError
+from mcore_compat.errors import PatchError, PatchRefusedError
 
 
 @pytest.fixture(autouse=True)
@@ -435,18 +437,31 @@ def _run_scenario(body: str) -> dict[str, object]:
     return json.loads(lines[-1][len("RESULT=") :])
 
 
-def _skip_unless(spec: str) -> None:
-    from mcore_compat._ranges import in_range
+def _skip_unless_bug_exists(patch: str) -> None:
+    """Skip (a release limit) unless the installed release has the upstream bug ``patch`` fixes."""
+    from mcore_compat._ranges import range_text
     from mcore_compat.detect import detect
 
-    version = str(detect().version)
-    if not in_range(version, spec):
-        pytest.skip(f"the bug exists in megatron-core {spec}; installed: {version}")
+    version = detect().version
+    if not patches.get(patch).applies_to(version):
+        pytest.skip(f"release limit: megatron-core {version} does not have the bug that {patch!r} fixes (it exists "
+                    f"in {range_text(patches.get(patch).versions)})")
+
+
+def _skip_unless_core_optimizer() -> None:
+    """Skip (a release limit) on releases without ``megatron.core.optimizer``."""
+    from mcore_compat.detect import detect
+    from mcore_compat.training import _tables
+
+    version = detect().version
+    if _tables.lookup(_tables.OPTIMIZER_SOURCE, version, "optimizer source") != "core":
+        pytest.skip(f"release limit: megatron-core {version} has no megatron.core.optimizer (this test steps "
+                    f"Megatron's own optimizer)")
 
 
 @pytest.mark.mcore
 def test_fp32opt_abstract_bug_and_fix() -> None:
-    _skip_unless(patches.get("fp32opt_abstract").versions)
+    _skip_unless_bug_exists("fp32opt_abstract")
     out = _run_scenario(
         """
         cpu_patches_without("fp32opt_abstract")
@@ -470,9 +485,12 @@ def test_fp32opt_abstract_bug_and_fix() -> None:
 
 @pytest.mark.mcore
 def test_fp8_noop_bug_and_fix() -> None:
-    _skip_unless(patches.get("fp8_noop").versions)
+    _skip_unless_bug_exists("fp8_noop")
     if not patches.get("fp8_noop").needed_when():
-        pytest.skip("TransformerEngine is installed: the no-TE fallback is not used")
+        from mcore_compat.detect import detect
+
+        pytest.skip(f"TransformerEngine is installed: megatron-core {detect().version} does not take the no-TE "
+                    f"fallback that has the bug")
     out = _run_scenario(
         """
         cpu_patches_without("fp8_noop")
@@ -491,7 +509,7 @@ def test_fp8_noop_bug_and_fix() -> None:
 @pytest.mark.mcore
 def test_stale_embedding_ranks_bug_and_fix() -> None:
     """destroy_model_parallel() must forget the embedding ranks; before 0.13 it does not (reproduced first)."""
-    _skip_unless(patches.get("stale_embedding_ranks").versions)
+    _skip_unless_bug_exists("stale_embedding_ranks")
     out = _run_scenario(
         """
         patches.apply_for("cpu")
@@ -521,7 +539,7 @@ def test_stale_embedding_ranks_bug_and_fix() -> None:
 @pytest.mark.mcore
 def test_cpu_harness_trains() -> None:
     """The whole CPU harness: DDP + DistributedOptimizer step moves every parameter (0.6+)."""
-    _skip_unless(">=0.6")
+    _skip_unless_core_optimizer()
     out = _run_scenario(
         """
         applied = patches.apply_for("cpu")
@@ -555,15 +573,219 @@ def test_rng_tracker_forks_cpu_generator() -> None:
     assert out == {"restored": True, "advanced": True}
 
 
+# ================================================================================= fingerprints of the targets
+_CHANGED_SOURCE = """
+def destroy_model_parallel():
+    global _EMBEDDING_GLOBAL_RANKS
+    _EMBEDDING_GLOBAL_RANKS = None  # upstream now resets it itself: the patch is not written for this code
+"""
+
+
+def _installed_as(monkeypatch: pytest.MonkeyPatch, source: str, where: str = "/site/megatron/core/x.py") -> None:
+    """Make every target module of the installed megatron-core read as ``source``."""
+    from mcore_compat.patches import _targets
+
+    monkeypatch.setattr(_targets, "_installed_source", lambda module: (source, where))
+
+
+def _nothing_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No megatron-core on ``sys.path`` when the patch is applied (its targets are checked when imported)."""
+    from mcore_compat.patches import _targets
+
+    def not_installed(module: str) -> Any:
+        raise _targets._NotInstalled("no megatron-core on sys.path yet")
+
+    monkeypatch.setattr(_targets, "_installed_source", not_installed)
+
+
 @pytest.mark.unit
-def test_apply_for_is_all_or_nothing() -> None:
+def test_fingerprint_ignores_docstrings_comments_and_layout_not_code() -> None:
+    from mcore_compat.patches._targets import fingerprint
+
+    base = 'def f(x, y=1):\n    """Doc."""\n    return x + y\n\nclass C:\n    def m(self):\n        return 1\n'
+    same = ('# comment\ndef f(x,\n      y=1):  # more\n    """Other doc."""\n    return (x + y)\n\nclass C:\n'
+            '    """Doc."""\n    def m(self):\n        return 1\n')
+    assert fingerprint(base, "f") == fingerprint(same, "f") is not None
+    assert fingerprint(base, "C.m") == fingerprint(same, "C.m") is not None
+    assert fingerprint(base, "f") != fingerprint(base.replace("x + y", "x - y"), "f")
+    assert fingerprint(base, "f") != fingerprint(base.replace("y=1", "y=2"), "f")
+    assert fingerprint(base, "g") is None and fingerprint(base, "C.n") is None and fingerprint(None, "f") is None
+    # definitions inside top-level if/try blocks (Megatron's fallbacks) all count
+    cond = "try:\n    import te\n    def f():\n        return 1\nexcept ImportError:\n    def f():\n        return 2\n"
+    assert fingerprint(cond, "f") != fingerprint(cond.replace("return 2", "return 3"), "f")
+    assert fingerprint(base, None) == fingerprint(same, None) != fingerprint(cond, None)
+
+
+@pytest.mark.unit
+def test_fingerprint_table_covers_each_targeted_patch_per_release() -> None:
+    """patches/_fingerprints.py has exactly the targets each patch names, for every matrix release in its range."""
+    from mcore_compat.patches._fingerprints import FINGERPRINTS
+
+    from mcore_compat import support
+
+    releases = [str(r.version) for r in support.releases()]
+    targeted = {p.name: p for p in patches.list_patches() if p.targets}
+    assert set(FINGERPRINTS) == set(targeted)
+    for name, patch in targeted.items():
+        assert list(FINGERPRINTS[name]) == list(patch.targets), name
+        in_range = [v for v in releases if patch.applies_to(v)]
+        for target, per_release in FINGERPRINTS[name].items():
+            assert list(per_release) == in_range, (name, target)
+            assert any(per_release.values()), f"{name}: {target} exists in none of its releases"
+
+
+@pytest.mark.unit
+def test_changed_target_refuses_the_patch(monkeypatch: pytest.MonkeyPatch) -> None:
     before = _snapshot()
-    # 0.12.3's fp8_noop check needs a 0.12 source tree; without one it is refused, after the torch patches.
-    if importlib.util.find_spec("megatron") is not None:
-        pytest.skip("a megatron is installed; the refusal needs its absence")
-    if not patches.get("fp8_noop").needed_when():
-        pytest.skip("TransformerEngine installed: fp8_noop is not needed")
-    with pytest.raises(PatchError, match="fp8_noop"):
-        patches.apply_for("cpu", version="0.12.3")
+    _installed_as(monkeypatch, _CHANGED_SOURCE, "/site/megatron/core/parallel_state.py")
+    with pytest.raises(PatchRefusedError) as info:
+        patches.apply("stale_embedding_ranks", version="0.12.3")
+    message = str(info.value)
+    assert "\n" not in message
+    for part in ("patch 'stale_embedding_ranks' refused", "megatron.core.parallel_state:destroy_model_parallel",
+                 "megatron-core 0.12.3", "/site/megatron/core/parallel_state.py", "scripts/fingerprint_patches.py",
+                 "run without the patch"):
+        assert part in message, (part, message)
+    assert patches.refusal("stale_embedding_ranks", version="0.12.3") == message
+    assert patches.applied() == [] and patches.skipped() == {}
+    assert _snapshot() == before
+
+
+@pytest.mark.unit
+def test_recorded_target_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same code, recorded for the patch (as the generator records a release's code): applied."""
+    from mcore_compat.patches import _fingerprints, _targets
+
+    _installed_as(monkeypatch, _CHANGED_SOURCE)
+    table = {t: {"0.12.3": _targets.fingerprint(_CHANGED_SOURCE, _targets.split_target(t)[1])}
+             for t in patches.get("stale_embedding_ranks").targets}
+    monkeypatch.setitem(_fingerprints.FINGERPRINTS, "stale_embedding_ranks", table)
+    assert patches.refusal("stale_embedding_ranks", version="0.12.3") is None
+    assert patches.apply("stale_embedding_ranks", version="0.12.3")
+    assert patches.applied() == ["stale_embedding_ranks"]
+
+
+@pytest.mark.unit
+def test_apply_for_is_all_or_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused patch (here: a changed target) reverts what the same call applied before it."""
+    before = _snapshot()
+    _installed_as(monkeypatch, _CHANGED_SOURCE)
+    with pytest.raises(PatchRefusedError, match="'rng' refused"):
+        patches.apply_for("cpu", version="0.12.3")  # cuda_device, cuda_factory, tensor_type, then rng
     assert patches.applied() == []
     assert _snapshot() == before
+
+
+@pytest.fixture
+def fake_release(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A ``megatron/core`` tree with a changed ``fp8_utils``, to put on ``sys.path`` after applying (no megatron
+    module stays imported meanwhile; the real ones come back afterwards)."""
+    for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
+        monkeypatch.delitem(sys.modules, name)
+    core = tmp_path / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "__init__.py").write_text("")
+    (core / "fp8_utils.py").write_text(
+        "def _quantize_param_shard_impl(model_params, *args):\n    raise RuntimeError('changed')\n\n"
+        "def quantize_param_shard(model_params, *args):\n    return _quantize_param_shard_impl(model_params)\n")
+    _nothing_installed(monkeypatch)
+    yield tmp_path
+    for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
+        del sys.modules[name]
+
+
+def _import_fake_fp8_utils(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    import importlib
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    return importlib.import_module("megatron.core.fp8_utils")
+
+
+@pytest.mark.unit
+def test_target_changed_at_import_undoes_the_patch(fake_release: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Applied before its module is imported, checked again against the loaded file: changed, so undone and
+    listed as skipped, not applied."""
+    assert patches.apply("fp8_noop", version="0.12.3")
+    assert patches.applied() == ["fp8_noop"]
+    with pytest.warns(RuntimeWarning, match="'fp8_noop' was not applied"):
+        module = _import_fake_fp8_utils(fake_release, monkeypatch)
+    assert patches.applied() == []
+    assert "megatron.core.fp8_utils:_quantize_param_shard_impl" in patches.skipped()["fp8_noop"]
+    assert module._quantize_param_shard_impl.__module__ == "megatron.core.fp8_utils"  # not wrapped
+    with pytest.raises(RuntimeError, match="changed"):
+        module.quantize_param_shard([])
+
+
+@pytest.mark.unit
+def test_recorded_target_at_import_is_patched(fake_release: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mcore_compat.patches import _fingerprints, _targets
+
+    source = (fake_release / "megatron" / "core" / "fp8_utils.py").read_text()
+    table = {t: {"0.12.3": _targets.fingerprint(source, _targets.split_target(t)[1])}
+             for t in patches.get("fp8_noop").targets}
+    monkeypatch.setitem(_fingerprints.FINGERPRINTS, "fp8_noop", table)
+    assert patches.apply("fp8_noop", version="0.12.3")
+    module = _import_fake_fp8_utils(fake_release, monkeypatch)
+    assert patches.applied() == ["fp8_noop"] and patches.skipped() == {}
+    assert module.quantize_param_shard([]) is None  # the empty call is a no-op now
+    patches.revert("fp8_noop")
+    with pytest.raises(RuntimeError, match="changed"):
+        module.quantize_param_shard([])
+
+
+@pytest.mark.unit
+def test_doctor_reports_skipped_and_refused_patches_as_not_applied(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mcore_compat.patches import _registry
+
+    from mcore_compat.cli import doctor
+
+    patches.apply("cuda_sync", version="0.12.3")
+    _installed_as(monkeypatch, _CHANGED_SOURCE)
+    monkeypatch.setitem(_registry._SKIPPED, "rng", "its target changed")
+    rows = {r["name"]: r for r in doctor._patches(Version("0.12.3"))}
+    assert rows["cuda_sync"]["applied"] and not rows["cuda_sync"]["refused"]
+    assert not rows["rng"]["applied"] and rows["rng"]["skipped"] == "its target changed"
+    assert not rows["stale_embedding_ranks"]["applied"]
+    assert "destroy_model_parallel" in rows["stale_embedding_ranks"]["refused"]
+    lines = doctor.render(_doctor_report(rows)).splitlines()
+    states = {line.split()[0]: line for line in lines[lines.index(next(ln for ln in lines if
+                                                                        ln.startswith("patches for"))) + 1:]}
+    assert "APPLIED" in states["cuda_sync"]
+    assert "SKIPPED, not applied (its target changed)" in states["rng"] and "APPLIED" not in states["rng"]
+    assert "REFUSED (patch 'stale_embedding_ranks' refused" in states["stale_embedding_ranks"]
+
+
+def _doctor_report(rows: dict[str, Any]) -> dict[str, Any]:
+    """The smallest report ``doctor.render`` accepts, with ``rows`` as its patches."""
+    return {"mcore_compat": "x", "python": {"version": "3", "executable": "python"}, "torch": {"present": False},
+            "apex": {"present": False}, "transformer_engine": {"present": False},
+            "megatron_core": {"found": True, "version": "0.12.3", "source": "test", "checkout": True, "path": "/x",
+                              "warnings": []},
+            "capabilities": [], "symbols": [], "patches": list(rows.values())}
+
+
+@pytest.mark.mcore
+def test_fingerprint_table_matches_the_installed_release() -> None:
+    """Every patch in scope for the installed release finds, for each target, exactly the fingerprint recorded for
+    this release (the table was generated from this release's code; nothing here would be refused)."""
+    from mcore_compat.patches import _targets
+    from mcore_compat.patches._fingerprints import FINGERPRINTS
+
+    from mcore_compat.detect import detect
+
+    version = detect().version
+    release = version.public
+    checked = []
+    for patch in patches.list_patches():
+        if not patch.applies_to(version) or not patch.targets:
+            continue
+        for target in patch.targets:
+            fp, where = _targets.installed_fingerprint(target)
+            recorded = FINGERPRINTS[patch.name][target]
+            assert release in recorded, f"{patch.name}: no fingerprint of {target} for {release}"
+            assert fp == recorded[release], (f"{patch.name}: {target} in {where} has fingerprint {fp}, the table "
+                                             f"records {recorded[release]} for {release}")
+        assert patches.refusal(patch.name) is None
+        checked.append(patch.name)
+    assert "rng" in checked  # in scope for every release

@@ -282,6 +282,29 @@ def test_junit_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert (res.passed, res.failed, res.errors, res.skipped) == (2, 1, 1, 1) and "t.m::bad" in res.details
 
 
+@pytest.mark.parametrize(("code", "ok"), [(0, True), (1, False), (5, False)])
+def test_a_pytest_run_that_collected_nothing_fails(code: int, ok: bool, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """pytest's exit status 5 (no test collected) fails the session and counts as an error in the matrix."""
+    fake, _ = _fake_nox()
+    nf = _load_noxfile_with(fake, monkeypatch)
+    monkeypatch.setattr(nf, "LOGS", tmp_path)
+    monkeypatch.setattr(nf._Out, "run", lambda self, argv, env=None, check=True, cwd=None: code)
+    result, out = nf.JobResult("unit"), nf._Out(tmp_path / "unit.log")
+    nf._run_pytest("3.11", None, "not mcore", "unit", out, result, ())
+    out.close()
+    assert result.ok is ok
+    assert result.errors == (0 if ok else 1)
+    if code == 5:
+        assert "collected no test" in result.details
+        assert "ERROR: pytest collected no test" in (tmp_path / "unit.log").read_text()
+        assert nf._summary_line([result], 1.0) == "==== 1 error in 1.00s ===="
+        errors: list[str] = []
+        session = types.SimpleNamespace(error=errors.append, log=lambda text: None)
+        nf._finish(session, result)
+        assert errors == [f"unit failed: {result.details}"]
+
+
 def _readme_commands() -> list[str]:
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", text, re.S)

@@ -105,7 +105,10 @@ def _capabilities(version: Any, probe: bool) -> list[dict[str, Any]]:
 
     rows = []
     if probe:
-        _prepare_import()
+        problem = _prepare_import()
+        if problem:
+            rows.append({"name": "(patches)", "holds": True, "range": "", "probe": f"error: {problem}",
+                         "description": "the patches applied before the probe"})
     for cap in capabilities():
         row: dict[str, Any] = {"name": cap.name, "holds": cap.holds_for(version), "range": cap.range(),
                                "description": cap.description}
@@ -118,12 +121,18 @@ def _capabilities(version: Any, probe: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def _prepare_import() -> None:
+def _prepare_import() -> str | None:
+    """Apply the patches a run on this device needs; what went wrong, if anything (the probe goes on)."""
     import torch
 
     from .. import patches
+    from ..errors import PatchError
 
-    patches.apply_for_device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        patches.apply_for_device("cuda" if torch.cuda.is_available() else "cpu")
+    except PatchError as exc:
+        return str(exc)
+    return None
 
 
 def _symbols(version: Any) -> list[dict[str, Any]]:
@@ -138,8 +147,12 @@ def _symbols(version: Any) -> list[dict[str, Any]]:
 
 
 def _patches(version: Any) -> list[dict[str, Any]]:
+    """Every patch: its range, whether it is needed here, whether the installed Megatron code is what it was
+    written for (``refused``: why not), and whether it is applied in this process (``skipped``: undone when its
+    target module was imported and found changed)."""
     from .. import patches
 
+    applied, skipped = set(patches.applied()), patches.skipped()
     rows = []
     for p in patches.list_patches():
         applies = p.applies_to(version)
@@ -149,9 +162,26 @@ def _patches(version: Any) -> list[dict[str, Any]]:
                 needed = bool(p.needed_when())
             except Exception:
                 needed = None
+        refused = None
+        if applies:
+            try:
+                refused = patches.refusal(p.name, version)
+            except Exception as exc:  # report, don't crash the doctor
+                refused = f"the check failed: {type(exc).__name__}: {exc}"
         rows.append({"name": p.name, "purposes": list(p.purposes), "applies": applies, "versions": p.versions,
-                     "needed_here": needed if applies else False, "description": p.description})
+                     "needed_here": needed if applies else False, "targets": list(p.targets), "refused": refused,
+                     "applied": p.name in applied, "skipped": skipped.get(p.name), "description": p.description})
     return rows
+
+
+def _patch_state(p: dict[str, Any]) -> str:
+    if p["applied"]:
+        return "APPLIED"
+    if p["skipped"]:
+        return f"SKIPPED, not applied ({p['skipped']})"
+    if p["refused"]:
+        return f"REFUSED ({p['refused']})"
+    return "not applied"
 
 
 def render(report: dict[str, Any]) -> str:
@@ -195,11 +225,12 @@ def render(report: dict[str, Any]) -> str:
     for s_ in report["symbols"]:
         out.append(f"  {s_['name']:<32} {s_['location'] or 'unavailable (exists in ' + s_['available_in'] + ')'}")
     out.append("")
-    out.append("patches for this version (applied only on request)")
+    out.append("patches for this version (applied only on request; targets checked against their fingerprints)")
     for p in report["patches"]:
         if p["applies"]:
             need = {True: "needed here", False: "not needed here", None: "when asked"}[p["needed_here"]]
-            out.append(f"  {p['name']:<22} [{', '.join(p['purposes'])}] {need}: {p['description']}")
+            out.append(f"  {p['name']:<22} [{', '.join(p['purposes'])}] {need}, {_patch_state(p)}: "
+                       f"{p['description']}")
     return "\n".join(out)
 
 
