@@ -530,6 +530,7 @@ class JobResult:
     log: Path | None = None
     ran_pytest: bool = False
     selfcheck: dict[str, Any] = field(default_factory=dict)
+    faults: dict[str, Any] = field(default_factory=dict)
 
 
 def _junit_counts(path: Path, result: JobResult) -> None:
@@ -560,9 +561,16 @@ def _run_pytest(python: str, release: Any | None, marker: str, name: str, out: _
     junit.unlink(missing_ok=True)
     argv = [base_python(python), "-P", "-m", "pytest", *TEST_PATHS, "-m", marker, "-p", "no:cacheprovider",
             f"--junitxml={junit}", *extra]
-    code = out.run(argv, env=session_env(python, release), check=False)
+    env = session_env(python, release)
+    faults = LOGS / f"{name}.faults.json"
+    faults.unlink(missing_ok=True)
+    env["MCORE_COMPAT_FAULT_REPORT"] = str(faults)  # the fault-injection suite writes its score there
+    code = out.run(argv, env=env, check=False)
     result.ran_pytest = True
     _junit_counts(junit, result)
+    if faults.is_file():
+        score = json.loads(faults.read_text(encoding="utf-8"))
+        result.faults = {k: score[k] for k in ("caught", "faults", "clean_pass", "clean")}
     if code == PYTEST_NO_TESTS:  # a session that tested nothing proves nothing: a wrong path, marker or -k
         out.say(f"ERROR: pytest collected no test (exit status {code}); a session must run tests")
         result.details = result.details or f"pytest collected no test (exit status {code})"
@@ -616,7 +624,9 @@ def _run_selfcheck(release: Any, out: _Out, result: JobResult) -> None:
     code = out.run([base_python(release.python), "-P", "-m", "mcore_compat", *SELFCHECK_ARGS, "--json", path],
                    env=session_env(release.python, release), check=False)
     reports = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
-    configs = [{**{k: r["settings"].get(k) for k in ("tp", "pp", "dp", "distributed_optimizer", "bind", "dtype")},
+    configs = [{**{k: r["settings"].get(k) for k in ("tp", "pp", "dp", "vpp", "sequence_parallel", "tie_embeddings",
+                                                     "overlap", "experts", "ep", "distributed_optimizer", "bind",
+                                                     "dtype")},
                 "summary": r["summary"]} for r in reports]
     good = sum(bool(r["ok"]) for r in reports)
     result.selfcheck = {"result": "pass" if code == 0 else "fail", "configurations": configs,
@@ -756,6 +766,7 @@ def _cpu_record(release: Any, result: JobResult) -> dict[str, Any]:
         "install": release.install,
         "details": result.details,
         "self_check": result.selfcheck or None,
+        "fault_detection": result.faults or None,
     }
 
 

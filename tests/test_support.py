@@ -333,3 +333,29 @@ def test_faults_cell_shows_the_fault_detection_score() -> None:
         "28/28 (100 %)"
     assert _faults_cell({"fault_detection": {"caught": 20, "faults": 24, "clean": 7, "clean_pass": 6}}) == \
         "20/24 (83 %); clean 6/7"
+
+
+def test_the_fault_score_the_suite_writes_is_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The session points the fault-injection suite at a file (MCORE_COMPAT_FAULT_REPORT); its score goes into
+    the CPU record (and from there into the support table's 'faults caught' column)."""
+    fake, _ = _fake_nox()
+    nf = _load_noxfile_with(fake, monkeypatch)
+    monkeypatch.setattr(nf, "LOGS", tmp_path)
+    seen: dict[str, str] = {}
+
+    def fake_pytest(self: Any, argv: list[str], env: dict[str, str] | None = None, check: bool = True,
+                    cwd: Any = None) -> int:
+        assert env is not None
+        seen.update(env)
+        Path(env["MCORE_COMPAT_FAULT_REPORT"]).write_text(json.dumps(
+            {"caught": 27, "faults": 28, "clean_pass": 7, "clean": 7, "details": {}}))
+        return 0
+
+    monkeypatch.setattr(nf._Out, "run", fake_pytest)
+    result, out = nf.JobResult("mcore-0.16.1"), nf._Out(tmp_path / "s.log")
+    nf._run_pytest("3.11", None, "mcore", "mcore-0.16.1", out, result, ())
+    out.close()
+    assert seen["MCORE_COMPAT_FAULT_REPORT"] == str(tmp_path / "mcore-0.16.1.faults.json")
+    assert result.faults == {"caught": 27, "faults": 28, "clean_pass": 7, "clean": 7}
+    release = types.SimpleNamespace(install="wheel")
+    assert nf._cpu_record(release, result)["fault_detection"] == result.faults

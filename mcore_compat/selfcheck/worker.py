@@ -343,6 +343,9 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
         if (opts.pp or 1) > 1:
             checks.append(_pipeline_gather_check(binding, ps))
     env["reference_bytes"] = verifier.reference_bytes
+    from .. import patches
+
+    env["patches"] = ",".join(patches.applied()) or "none"  # after Megatron's import: a patch undone there is out
     ps.destroy_model_parallel()
     return checks, env
 
