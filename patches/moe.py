@@ -1,0 +1,102 @@
+"""Patches for Megatron-Core's MoE layer: ``moe_te_gemm_name`` (purpose ``"upstream_bug"``: hits GPU users without
+TransformerEngine as well; patches a Megatron module when it is imported, or at once if it is) and
+``moe_histc_cpu`` (purpose ``"cpu"``: a torch operation the CPU lacks)."""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+from typing import Any
+
+import torch
+
+from ._registry import Patch, register
+from ._tools import Changes, Undo, core_source, skipped, when_imported
+
+_MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+
+
+def _te_missing() -> bool:
+    try:
+        return importlib.util.find_spec("transformer_engine") is None
+    except (ImportError, ValueError):
+        return True
+
+
+# ------------------------------------------------------------------------------------------ moe_te_gemm_name
+def _patch_moe_utils(module: types.ModuleType) -> Undo:
+    if hasattr(module, "te_general_gemm"):
+        return skipped("moe_te_gemm_name", f"{module.__name__} already defines te_general_gemm")
+    changes = Changes()
+    changes.setattr(module, "te_general_gemm", None)
+    return changes.undo
+
+
+def _apply_moe_te_gemm_name() -> Undo:
+    return when_imported(_MOE_UTILS, _patch_moe_utils)
+
+
+def _check_moe_te_gemm_name() -> str | None:
+    src = core_source("transformer/moe/moe_utils.py")
+    if src is None or "te_general_gemm is not None" not in src:
+        return "megatron/core/transformer/moe/moe_utils.py does not test `te_general_gemm is not None`"
+    return None
+
+
+register(
+    Patch(
+        name="moe_te_gemm_name",
+        versions=">=0.13,<0.17",
+        purposes=("upstream_bug", "cpu"),
+        description=(
+            "0.13-0.16 without TransformerEngine: transformer/moe/moe_utils.py imports te_general_gemm only "
+            "inside its `try: import transformer_engine` block, but RouterGatingLinearFunction tests "
+            "`te_general_gemm is not None` unconditionally, so every MoE router forward raises "
+            "\"NameError: name 'te_general_gemm' is not defined\". Defines it as None (what 0.17 does)."
+        ),
+        apply_fn=_apply_moe_te_gemm_name,
+        check_fn=_check_moe_te_gemm_name,
+        needed_when=_te_missing,
+    )
+)
+
+
+# ------------------------------------------------------------------------------------------- moe_histc_cpu
+_TORCH_HISTC = torch.histc
+
+
+def _histc(input: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0, **kwargs: Any) -> torch.Tensor:
+    """``torch.histc`` that also counts integer tensors on a CPU (as CUDA does), in the input's dtype."""
+    if input.device.type == "cpu" and not input.is_floating_point() and not kwargs:
+        return _TORCH_HISTC(input.double(), bins=bins, min=min, max=max).to(input.dtype)
+    return _TORCH_HISTC(input, bins=bins, min=min, max=max, **kwargs)
+
+
+def _apply_moe_histc_cpu() -> Undo:
+    changes = Changes()
+    changes.setattr(torch, "histc", _histc)
+    return changes.undo
+
+
+def _dispatcher_counts_with_histc() -> bool:
+    src = core_source("transformer/moe/token_dispatcher.py")
+    return src is not None and "torch.histc(" in src
+
+
+register(
+    Patch(
+        name="moe_histc_cpu",
+        versions=">=0.5,<0.10",
+        purposes=("cpu",),
+        description=(
+            "0.5-0.9 (not 0.8): the MoE token dispatchers count tokens per expert with torch.histc on the integer "
+            "expert indices, which CUDA supports and the CPU does not (\"NotImplementedError: histogram_cpu not "
+            "implemented for 'Long'\"). torch.histc counts integer CPU tensors through float64 (exact for "
+            "expert indices) and returns the input's dtype, as on CUDA. Skipped where the dispatcher uses "
+            "torch.bincount."
+        ),
+        apply_fn=_apply_moe_histc_cpu,
+        check_fn=lambda: None if callable(getattr(torch, "histc", None)) else "torch.histc is missing",
+        needed_when=_dispatcher_counts_with_histc,
+    )
+)
