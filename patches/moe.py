@@ -1,6 +1,6 @@
-"""Patches for Megatron-Core's MoE layer: ``moe_te_gemm_name`` (purpose ``"upstream_bug"``: hits GPU users without
-TransformerEngine as well; patches a Megatron module when it is imported, or at once if it is) and
-``moe_histc_cpu`` (purpose ``"cpu"``: a torch operation the CPU lacks)."""
+"""Patches for Megatron-Core's MoE layer: ``moe_te_gemm_name`` and ``moe_local_spec_te_names`` (purpose
+``"upstream_bug"``: they hit GPU users without TransformerEngine as well; each patches a Megatron module when it is
+imported, or at once if it is) and ``moe_histc_cpu`` (purpose ``"cpu"``: a torch operation the CPU lacks)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,53 @@ register(
         ),
         apply_fn=_apply_moe_te_gemm_name,
         check_fn=_check_moe_te_gemm_name,
+        needed_when=_te_missing,
+    )
+)
+
+
+# ------------------------------------------------------------------------------------- moe_local_spec_te_names
+_GPT_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
+_TE_SPEC_NAMES = ("TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear", "TEColumnParallelLinear",
+                  "TERowParallelLinear")
+
+
+def _patch_gpt_layer_specs(module: types.ModuleType) -> Undo:
+    missing = [name for name in _TE_SPEC_NAMES if not hasattr(module, name)]
+    if not missing:
+        return skipped("moe_local_spec_te_names", f"{module.__name__} already defines {', '.join(_TE_SPEC_NAMES)}")
+    changes = Changes()
+    for name in missing:
+        changes.setattr(module, name, None)
+    return changes.undo
+
+
+def _apply_moe_local_spec_te_names() -> Undo:
+    return when_imported(_GPT_SPECS, _patch_gpt_layer_specs)
+
+
+def _check_moe_local_spec_te_names() -> str | None:
+    src = core_source("models/gpt/gpt_layer_specs.py")
+    if src is None or "_get_moe_module_spec(\n            use_te=True" not in src:
+        return "megatron/core/models/gpt/gpt_layer_specs.py does not build the MoE spec with use_te=True"
+    return None
+
+
+register(
+    Patch(
+        name="moe_local_spec_te_names",
+        versions=">=0.10,<0.11",
+        purposes=("upstream_bug", "cpu"),
+        description=(
+            "0.10.x without TransformerEngine: get_gpt_layer_local_spec(num_experts=...) builds the MoE spec "
+            "with use_te=True (models/gpt/gpt_layer_specs.py _get_mlp_module_spec), which reads "
+            "TEColumnParallelGroupedLinear and TEColumnParallelLinear, names bound only when TE imports: "
+            "\"NameError: name 'TEColumnParallelGroupedLinear' is not defined\". Binds the missing TE names to "
+            "None, so the local spec gets its ColumnParallelLinear/RowParallelLinear experts (0.11 passes use_te "
+            "through)."
+        ),
+        apply_fn=_apply_moe_local_spec_te_names,
+        check_fn=_check_moe_local_spec_te_names,
         needed_when=_te_missing,
     )
 )
