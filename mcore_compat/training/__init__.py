@@ -22,6 +22,7 @@ from .finalize import (
     install_training_hooks,
 )
 from .optimizer import OptimConfig, get_megatron_optimizer, optimizer_config_of, optimizer_step
+from .param_sync import finish_param_sync
 from .schedules import forward_backward, get_forward_backward_func
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "check_training_hooks",
     "ddp_config_of",
     "finalize_model_grads",
+    "finish_param_sync",
     "forward_backward",
     "get_forward_backward_func",
     "get_megatron_optimizer",
