@@ -158,6 +158,11 @@ SCHEDULE_EXTRA_PARAMS: tuple[Row[tuple[str, ...]], ...] = (
                    "force_all_reduce")),
 )
 
+#: The interleaved schedule (virtual pipeline stages) reads the number of virtual stages from
+#: ``config.virtual_pipeline_model_parallel_size`` (pipeline_parallel/schedules.py, 0.13+: ``curr_vp_stage =
+#: config.virtual_pipeline_model_parallel_size - 1``); before, from parallel_state only.
+INTERLEAVED_READS_CONFIG_VPP: tuple[Row[bool], ...] = (Row(">=0.4,<0.13", False), Row(">=0.13", True))
+
 #: Whether ``loss_func`` may return ``(loss, num_tokens, dict)`` and ``config.calculate_per_token_loss`` exists.
 PER_TOKEN_LOSS: tuple[Row[bool], ...] = (Row(">=0.4,<0.7", False), Row(">=0.7", True))
 
