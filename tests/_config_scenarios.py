@@ -118,6 +118,10 @@ def _run(config: Config) -> dict[str, Any]:
     models.init_parallel(opts)
     ps = symbols.resolve("parallel_state")
     chunks, _ = models.build_chunks(opts)
+    twin, _ = models.build_chunks(opts)  # a second copy (what the self-check's reference needs): same weights
+    twin_params = _params(twin)
+    same_weights = all(torch.equal(p.detach(), twin_params[n].detach()) for n, p in _params(chunks).items())
+    del twin, twin_params
     chunks = mt.wrap_ddp(chunks, ddp_config=models.ddp_config(opts, bucket_size=BUCKET_SIZE if opts.overlap
                                                               else None))
     optimizer = mt.get_megatron_optimizer(models.optim_config(opts), chunks)
@@ -151,6 +155,7 @@ def _run(config: Config) -> dict[str, Any]:
         "grad_norms": norms,
         "finite": all(math.isfinite(v) for v in losses),
         "param_gather_overlapped": overlapped,
+        "second_build_identical": same_weights,
         "n_params": len(params),
         "unchanged": sorted(n for n in params if torch.equal(before[n], after[n])),
         "digests": {n: _digest(t) for n, t in after.items()},

@@ -80,6 +80,7 @@ def _differing(group: list[dict[str, Any]], names: set[str]) -> list[str]:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_configuration_trains(request: pytest.FixtureRequest, name: str) -> None:
     ranks = _ranks(request, name)
+    assert all(r["second_build_identical"] for r in ranks), "build_chunks twice gave different weights"
     last = [r for r in ranks if r["last_stage"]]
     assert last and all(len(r["losses"]) == SCENARIOS.STEPS for r in last), [r["losses"] for r in ranks]
     assert all(r["finite"] for r in last), [r["losses"] for r in last]

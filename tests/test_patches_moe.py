@@ -68,7 +68,8 @@ _ROUTER_GEMM = "WITHOUT = 'moe_te_gemm_name'" + _CPU_WITHOUT + r"""
 from megatron.core.transformer.moe import moe_utils
 fn = moe_utils.router_gating_linear
 inp, weight = torch.randn(3, 8), torch.randn(4, 8)
-args = (inp, weight, None, torch.float32) if "bias" in inspect.signature(fn).parameters else (inp, weight, torch.float32)
+with_bias = "bias" in inspect.signature(fn).parameters  # 0.15+
+args = (inp, weight, None, torch.float32) if with_bias else (inp, weight, torch.float32)
 
 def call():
     try:
