@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +24,17 @@ def _te_missing() -> bool:
         return True
 
 
+def _needed_without_te(relpath: str, bug: str) -> Callable[[], bool]:
+    """``needed_when``: TransformerEngine is missing and the installed ``megatron/core/<relpath>`` has the bug
+    (``bug`` in its source); nothing to fix without megatron-core."""
+
+    def needed() -> bool:
+        src = core_source(relpath)
+        return _te_missing() and src is not None and bug in src
+
+    return needed
+
+
 # ------------------------------------------------------------------------------------------ moe_te_gemm_name
 def _patch_moe_utils(module: types.ModuleType) -> Undo:
     if hasattr(module, "te_general_gemm"):
@@ -36,10 +48,13 @@ def _apply_moe_te_gemm_name() -> Undo:
     return when_imported(_MOE_UTILS, _patch_moe_utils)
 
 
+_GEMM_BUG = "te_general_gemm is not None"
+
+
 def _check_moe_te_gemm_name() -> str | None:
     src = core_source("transformer/moe/moe_utils.py")
-    if src is None or "te_general_gemm is not None" not in src:
-        return "megatron/core/transformer/moe/moe_utils.py does not test `te_general_gemm is not None`"
+    if src is None or _GEMM_BUG not in src:
+        return f"megatron/core/transformer/moe/moe_utils.py does not test `{_GEMM_BUG}`"
     return None
 
 
@@ -56,7 +71,7 @@ register(
         ),
         apply_fn=_apply_moe_te_gemm_name,
         check_fn=_check_moe_te_gemm_name,
-        needed_when=_te_missing,
+        needed_when=_needed_without_te("transformer/moe/moe_utils.py", _GEMM_BUG),
     )
 )
 
@@ -81,9 +96,12 @@ def _apply_moe_local_spec_te_names() -> Undo:
     return when_imported(_GPT_SPECS, _patch_gpt_layer_specs)
 
 
+_SPEC_BUG = "_get_moe_module_spec(\n            use_te=True"
+
+
 def _check_moe_local_spec_te_names() -> str | None:
     src = core_source("models/gpt/gpt_layer_specs.py")
-    if src is None or "_get_moe_module_spec(\n            use_te=True" not in src:
+    if src is None or _SPEC_BUG not in src:
         return "megatron/core/models/gpt/gpt_layer_specs.py does not build the MoE spec with use_te=True"
     return None
 
@@ -103,7 +121,7 @@ register(
         ),
         apply_fn=_apply_moe_local_spec_te_names,
         check_fn=_check_moe_local_spec_te_names,
-        needed_when=_te_missing,
+        needed_when=_needed_without_te("models/gpt/gpt_layer_specs.py", _SPEC_BUG),
     )
 )
 
