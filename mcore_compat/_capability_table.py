@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ._probes import (
     all_of,
+    any_of,
     asserts_name,
     assigns_constant,
     assigns_self_attr,
@@ -48,6 +49,7 @@ _PGC = "megatron.core.process_groups_config"
 _TCFG = "megatron.core.transformer.transformer_config"
 _GPT_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
 _TE_LAYERS = "megatron.core.transformer.custom_layers.transformer_engine"
+_GPT = "megatron.core.models.gpt.gpt_model"
 
 _DDP_INIT = "DistributedDataParallel.__init__"
 _DOPT_INIT = "DistributedOptimizer.__init__"
@@ -276,6 +278,24 @@ _ROWS_SCHEDULES: tuple[C, ...] = (
       param_in_signature(_SCHED, _NO_PIPE, "pg_collection")),
 )
 
+_ROWS_MODELS: tuple[C, ...] = (
+    C("interleaved_needs_pp_over_2", "<0.8",
+      "initialize_model_parallel refuses virtual pipeline stages unless the pipeline size is > 2 "
+      "(parallel_state.py; > 1 from 0.8)",
+      calls_with_constant((_PS,), ("RuntimeError",),
+                          "pipeline-model-parallel size should be greater than 2 with interleaved schedule",
+                          within="initialize_model_parallel")),
+    C("gpt_vp_stage", ">=0.13",
+      "GPTModel takes vp_stage (models/gpt/gpt_model.py; TransformerBlock derives its layers from it); before, "
+      "the virtual stage is parallel_state's virtual rank while the chunk is built",
+      def_has_param(_GPT, "GPTModel.__init__", "vp_stage")),
+    C("moe_local_spec", ">=0.5",
+      "the local GPT layer spec builds MoE layers (get_gpt_layer_local_spec(num_experts=...), "
+      "transformer/moe/; 0.4 has only the TransformerEngine SwitchMLP spec)",
+      any_of(def_has_param(_GPT_SPECS, "get_gpt_layer_local_spec", "num_experts"),
+             def_has_param(_GPT_SPECS, "get_gpt_layer_local_submodules", "num_experts"))),
+)
+
 CAPABILITIES: tuple[C, ...] = (
-    _ROWS_PACKAGE + _ROWS_DDP + _ROWS_FINALIZE + _ROWS_PG + _ROWS_OPTIMIZER + _ROWS_SCHEDULES
+    _ROWS_PACKAGE + _ROWS_DDP + _ROWS_FINALIZE + _ROWS_PG + _ROWS_OPTIMIZER + _ROWS_SCHEDULES + _ROWS_MODELS
 )

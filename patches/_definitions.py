@@ -1,8 +1,9 @@
 """The registered patches.
 
 Registration order is application order for ``apply_for``: the torch-level CPU patches (``cpu.py``), the
-stand-in packages (``stubs.py``), then the Megatron-level upstream fixes (``upstream.py``). Order does not
-matter for correctness: nothing here imports megatron.
+stand-in packages (``stubs.py``), then the Megatron-level upstream fixes (``upstream.py``); ``moe.py`` (MoE fixes
+without TransformerEngine) registers between the first two. Order does not matter for correctness: nothing here
+imports megatron.
 
 **``apply_for("cpu")`` is the whole CPU harness**: besides the ``"cpu"`` patches proper it includes, for the
 releases that need them, the apex stand-in (0.4-0.9), the TransformerEngine stand-in (0.4-0.7) and the
@@ -32,6 +33,6 @@ no CUDA tensors, so this was never hit). ``tensor_cuda`` can be applied by name 
 
 from __future__ import annotations
 
-from . import cpu, stubs, upstream
+from . import cpu, moe, stubs, upstream
 
-__all__ = ["cpu", "stubs", "upstream"]
+__all__ = ["cpu", "moe", "stubs", "upstream"]

@@ -117,11 +117,7 @@ def check_training_step(
     verifier.after_backward(forward_step_func, batches, num_microbatches, stored)
     ok, norm, _ = training.optimizer_step(optimizer)
     verifier.after_step(ok, norm)
-    if any(bool(getattr(getattr(c, "ddp_config", c), "overlap_param_gather", False)) for c in chunks):
-        # the all-gather of the updated params happens in the next forward
-        training.forward_backward(forward_step_func, _iterators(batches, as_list), model, num_microbatches,
-                                  seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=True,
-                                  check_hooks=False, **schedule_kwargs)
+    training.finish_param_sync(chunks, optimizer)  # the overlapped all-gather of the updated params, if any
     verifier.final_replicas()
     checks.extend(verifier.checks())
     alias = _buffer_alias_check(chunks)

@@ -273,9 +273,7 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
 
     dtype = torch.bfloat16 if opts.dtype == "bf16" else torch.float32
     modules, _config = models.build_chunks(opts)
-    chunks = training.wrap_ddp(modules, ddp_config=training.DDPConfig(
-        use_distributed_optimizer=opts.distributed_optimizer, grad_reduce_in_fp32=bool(opts.grad_reduce_in_fp32),
-        overlap_grad_reduce=opts.overlap, overlap_param_gather=opts.overlap and opts.distributed_optimizer))
+    chunks = training.wrap_ddp(modules, ddp_config=models.ddp_config(opts))
     if opts.fault == "rebind_before_optimizer":
         _rebind_outside(chunks[0])
     lr = 0.0 if opts.fault == "lr_zero" else opts.lr
@@ -312,7 +310,6 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
     batches = models.make_batches(opts, ps.get_data_parallel_rank())
     per_chunk = [batches] * len(chunks)
     forward_step = _forward_step_for(opts)
-    data: Any = [iter(b) for b in per_chunk] if len(chunks) > 1 else None
     for k in range(opts.steps):
         verifier.before_step()
         training.zero_grad_buffer(chunks, optimizer)
@@ -328,10 +325,8 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
             with torch.no_grad():
                 for p in _core(chunks[0]).parameters():
                     p.add_(1e-3)
-    if opts.overlap and opts.distributed_optimizer:  # the last all-gather happens in the next forward
-        data = [iter(b) for b in per_chunk] if len(chunks) > 1 else iter(batches)
-        training.forward_backward(forward_step, data, chunks, models.MICROBATCHES, seq_length=models.SEQ,
-                                  micro_batch_size=models.MICRO_BATCH, forward_only=True, check_hooks=False)
+    # the overlapped all-gather of the last step's params (and, on 0.6-0.8, the optimizer's process-wide hook)
+    training.finish_param_sync(chunks, optimizer, keep_overlap=False)
     verifier.final_replicas()
     checks.extend(verifier.checks())
     checks.append(_loss_check(verifier))

@@ -28,6 +28,7 @@ from .optimizer import (
     optimizer_step,
     set_lr_and_weight_decay,
 )
+from .param_sync import finish_param_sync
 from .schedules import forward_backward, get_forward_backward_func
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "check_training_hooks",
     "ddp_config_of",
     "finalize_model_grads",
+    "finish_param_sync",
     "forward_backward",
     "get_forward_backward_func",
     "get_megatron_optimizer",

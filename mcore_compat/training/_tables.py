@@ -114,8 +114,17 @@ DDP_GROUP_SOURCE: tuple[Row[str], ...] = (
 #: ``DistributedDataParallel.zero_grad_buffer`` takes ``zero_buffer`` (0.4-0.5) or nothing (0.6+) (B.8).
 ZERO_GRAD_BUFFER_TAKES_ARG: tuple[Row[bool], ...] = (Row(">=0.4,<0.6", True), Row(">=0.6", False))
 
-#: DDP owns the parameter all-gather (``start_param_sync``) from 0.9; before, the optimizer did (F.25).
-DDP_OWNS_PARAM_SYNC: tuple[Row[bool], ...] = (Row(">=0.4,<0.9", False), Row(">=0.9", True))
+#: Who owns the distributed optimizer's parameter all-gather and overlaps it with the next forward
+#: (``overlap_param_gather``; api-drift F.25):
+#:  "none":      no Megatron distributed optimizer (0.4/0.5; mcore_compat.legacy_optimizer gathers synchronously);
+#:  "optimizer": ``OptimizerConfig.overlap_param_gather``; DistributedOptimizer registers a process-wide module
+#:               forward pre-hook, dispatches in ``zero_grad`` (optimizer/distrib_optimizer.py, 0.6-0.8);
+#:               ``disable_pre_hook()`` removes it after a synchronous gather;
+#:  "ddp":       ``DistributedDataParallelConfig.overlap_param_gather``; DDP's per-module forward pre-hooks and
+#:               ``start_param_sync(force_sync=True)`` (distributed/distributed_data_parallel.py, 0.9+).
+PARAM_GATHER_OVERLAP: tuple[Row[str], ...] = (
+    Row(">=0.4,<0.6", "none"), Row(">=0.6,<0.9", "optimizer"), Row(">=0.9", "ddp"),
+)
 
 # --------------------------------------------------------------------------------------------------------------
 # finalize_model_grads (B.5) and the schedules (B.7, E)
@@ -148,6 +157,11 @@ SCHEDULE_EXTRA_PARAMS: tuple[Row[tuple[str, ...]], ...] = (
     Row(">=0.16", ("first_val_step", "adjust_tensor_shapes_fn", "p2p_communicator", "pg_collection",
                    "force_all_reduce")),
 )
+
+#: The interleaved schedule (virtual pipeline stages) reads the number of virtual stages from
+#: ``config.virtual_pipeline_model_parallel_size`` (pipeline_parallel/schedules.py, 0.13+: ``curr_vp_stage =
+#: config.virtual_pipeline_model_parallel_size - 1``); before, from parallel_state only.
+INTERLEAVED_READS_CONFIG_VPP: tuple[Row[bool], ...] = (Row(">=0.4,<0.13", False), Row(">=0.13", True))
 
 #: Whether ``loss_func`` may return ``(loss, num_tokens, dict)`` and ``config.calculate_per_token_loss`` exists.
 PER_TOKEN_LOSS: tuple[Row[bool], ...] = (Row(">=0.4,<0.7", False), Row(">=0.7", True))

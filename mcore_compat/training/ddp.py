@@ -29,6 +29,7 @@ from ._common import (
     parallel_state,
     same_group,
 )
+from .param_sync import REQUEST_ATTR
 
 __all__ = ["DDPConfig", "ddp_config_of", "wrap_ddp", "zero_grad_buffer"]
 
@@ -49,7 +50,10 @@ class DDPConfig:
         check_for_nan_in_grad: check gradients for NaN before reducing (0.6+; ignored with a warning before).
         bucket_size: elements per bucket; ``None`` = Megatron's default.
         average_in_collective: average inside the collective instead of pre-scaling (0.8+; warned before).
-        overlap_param_gather: overlap the distributed optimizer's parameter all-gather with forward (0.9+).
+        overlap_param_gather: overlap the distributed optimizer's parameter all-gather with forward (0.9+: a DDP
+            setting; 0.6-0.8: passed on to the optimizer by :func:`~mcore_compat.training.get_megatron_optimizer`;
+            0.4/0.5: ignored with a warning). Read the weights between steps after
+            :func:`~mcore_compat.training.finish_param_sync`.
         align_param_gather: align the all-gathers of the pipeline stages (0.9+).
         num_distributed_optimizer_instances: > 1 needs 0.10+ (raises before).
         extra: any other field of the installed ``DistributedDataParallelConfig`` (passed through; an unknown
@@ -290,6 +294,7 @@ def wrap_ddp(
         raise ValueError(f"disable_bucketing has {len(flags)} entries for {len(chunks)} model chunks")
     style = T.lookup(T.DDP_CTOR, version, "DistributedDataParallel constructor")
     cls = mcore("distributed.distributed_data_parallel").DistributedDataParallel
+    ddp_config, optimizer_gathers = _param_gather_request(ddp_config, version)
     num_instances = int(getattr(ddp_config, "num_distributed_optimizer_instances", None)
                         or DDPConfig.from_any(ddp_config).num_distributed_optimizer_instances)
     groups = _group_kwargs(version, data_parallel_group, expert_data_parallel_group, pg_collection, num_instances)
@@ -301,7 +306,25 @@ def wrap_ddp(
             wrapped.append(cls(config=cfg, module=chunk, disable_bucketing=flag, **settings, **groups))
         else:
             wrapped.append(cls(config=cfg, ddp_config=settings, module=chunk, disable_bucketing=flag, **groups))
+        if optimizer_gathers:
+            setattr(wrapped[-1], REQUEST_ATTR, True)
     return wrapped if was_list else wrapped[0]
+
+
+def _param_gather_request(ddp_config: Any, version: Version) -> tuple[Any, bool]:
+    """``(settings for DDP, whether the optimizer must overlap the param gather)``.
+
+    Where the distributed optimizer, not DDP, owns the parameter all-gather (0.6-0.8,
+    ``_tables.PARAM_GATHER_OVERLAP``), ``overlap_param_gather`` is not a DDP setting: it is taken out of the DDP
+    settings and remembered on the wrapped chunks, for :func:`~mcore_compat.training.get_megatron_optimizer` to
+    set on the ``OptimizerConfig``.
+    """
+    if T.lookup(T.PARAM_GATHER_OVERLAP, version, "overlapped param all-gather") != "optimizer":
+        return ddp_config, False
+    request = DDPConfig.from_any(ddp_config)
+    if not (request.overlap_param_gather and request.use_distributed_optimizer):
+        return ddp_config, False
+    return dataclasses.replace(request, overlap_param_gather=False), True
 
 
 def zero_grad_buffer(model_chunks: Any, optimizer: Any = None, *, set_to_none: bool = True) -> None:

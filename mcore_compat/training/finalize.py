@@ -14,6 +14,7 @@ from typing import Any
 from ..errors import McoreCompatError, UnsupportedVersionError
 from . import _tables as T
 from ._common import as_chunk_list, installed_version, mcore, model_config, unique
+from .param_sync import overlaps_param_gather
 
 __all__ = [
     "MissingTrainingHookError",
@@ -117,7 +118,7 @@ def install_training_hooks(
         raise ValueError("install_training_hooks needs at least one model chunk")
     ddp_cfgs = [_ddp_config(c) for c in chunks]
     overlap_grad = any(bool(getattr(d, "overlap_grad_reduce", False)) for d in ddp_cfgs if d is not None)
-    overlap_param = any(bool(getattr(d, "overlap_param_gather", False)) for d in ddp_cfgs if d is not None)
+    overlap_param = any(overlaps_param_gather(c) for c in chunks)
     if align_param_gather is None:
         align_param_gather = any(bool(getattr(d, "align_param_gather", False)) for d in ddp_cfgs if d is not None)
 
@@ -135,7 +136,7 @@ def install_training_hooks(
             if align_grad_reduce:
                 cfg.grad_sync_func = one_or_list([c.start_grad_sync for c in chunks])
         if overlap_param and align_param_gather:
-            if T.lookup(T.DDP_OWNS_PARAM_SYNC, version, "param sync owner"):
+            if T.lookup(T.PARAM_GATHER_OVERLAP, version, "param sync owner") == "ddp":
                 cfg.param_sync_func = one_or_list([c.start_param_sync for c in chunks])
             elif optimizer is not None and hasattr(optimizer, "finish_param_sync"):
                 cfg.param_sync_func = one_or_list(

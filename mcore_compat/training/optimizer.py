@@ -32,6 +32,7 @@ from ._common import (
     parallel_state,
     same_group,
 )
+from .param_sync import REQUEST_ATTR
 
 __all__ = ["OptimConfig", "get_megatron_optimizer", "optimizer_config_of", "optimizer_step", "set_lr_and_weight_decay"]
 
@@ -395,7 +396,7 @@ def get_megatron_optimizer(
                 pg_collection=pg_collection)
     if T.lookup(T.OPTIMIZER_SOURCE, version, "optimizer") == "legacy":
         return _legacy(version, config, chunks, args)
-    cfg = optimizer_config_of(config, version)
+    cfg = _with_param_gather_overlap(optimizer_config_of(config, version), chunks)
     needs_private = (per_model_buffers is not None or data_parallel_group_gloo is not None
                      or data_parallel_group_idx is not None or bool(distributed_optimizer_instance_id)
                      or (data_parallel_group is not None
@@ -403,6 +404,14 @@ def get_megatron_optimizer(
     if needs_private:
         return _private(version, cfg, chunks, args)
     return _public(version, cfg, chunks, args)
+
+
+def _with_param_gather_overlap(cfg: Any, chunks: list[Any]) -> Any:
+    """0.6-0.8: the optimizer owns the overlapped parameter all-gather; turn it on when the chunks were wrapped
+    with ``overlap_param_gather`` (see ``wrap_ddp``). A copy: the caller's config is not changed."""
+    if not any(getattr(c, REQUEST_ATTR, False) for c in chunks) or getattr(cfg, "overlap_param_gather", True):
+        return cfg
+    return dataclasses.replace(cfg, overlap_param_gather=True)
 
 
 class _NullTimers:

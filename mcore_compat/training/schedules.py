@@ -16,6 +16,29 @@ __all__ = ["forward_backward", "get_forward_backward_func"]
 _HARMLESS = {"first_val_step", "adjust_tensor_shapes_fn"}
 
 
+def _check_virtual_stages(chunks: list[Any], data_iterator: Any, vp_size: int | None, version: Any) -> None:
+    """Model chunks = virtual pipeline stages: what the interleaved schedule of every release needs, checked with
+    a clear message (Megatron asserts or fails deep inside the schedule), and the config field that 0.13+ read
+    set where it is missing."""
+    n = len(chunks)
+    if not isinstance(data_iterator, list) or len(data_iterator) != n:
+        got = f"a list of {len(data_iterator)}" if isinstance(data_iterator, list) else type(data_iterator).__name__
+        raise ValueError(f"{n} model chunks (virtual pipeline stages) need a list of {n} data iterators, one per "
+                         f"chunk (each yields every micro-batch); got {got}")
+    ps = mcore("parallel_state")
+    stages = vp_size or ps.get_virtual_pipeline_model_parallel_world_size()
+    if stages != n:
+        raise ValueError(f"{n} model chunks but {stages} virtual pipeline stages (initialize_model_parallel("
+                         f"virtual_pipeline_model_parallel_size=...) or vp_size=); they must be equal")
+    for cfg in {id(c): c for c in (model_config(chunk) for chunk in chunks)}.values():
+        current = getattr(cfg, "virtual_pipeline_model_parallel_size", None)
+        if current is None and T.lookup(T.INTERLEAVED_READS_CONFIG_VPP, version, "interleaved schedule"):
+            cfg.virtual_pipeline_model_parallel_size = n
+        elif current is not None and current != n:
+            raise ValueError(f"config.virtual_pipeline_model_parallel_size = {current} but there are {n} model "
+                             f"chunks")
+
+
 def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None) -> Callable[..., Any]:
     """Megatron's schedule for the given (default: parallel_state's) pipeline / virtual-pipeline sizes."""
     version = installed_version()
@@ -58,6 +81,10 @@ def forward_backward(
     ``num_microbatches`` in place, so a plain ``loss.detach()`` (same storage) reads 1/num_microbatches of the
     loss there, but the full loss on 0.4-0.6.
 
+    With several model chunks (virtual pipeline stages, the interleaved schedule) ``data_iterator`` is a list
+    with one iterator per chunk; their number must equal parallel_state's virtual pipeline size, and
+    ``config.virtual_pipeline_model_parallel_size`` (read by the 0.13+ schedule) is set to it where unset.
+
     Args:
         seq_length, micro_batch_size, decoder_seq_length: needed (for the P2P tensor shapes) only when pipelining;
             without pipelining they are unused by every release and default to 0.
@@ -81,6 +108,8 @@ def forward_backward(
         from .finalize import check_training_hooks
 
         check_training_hooks(chunks)
+    if len(chunks) > 1:
+        _check_virtual_stages(chunks, data_iterator, vp_size, version)
     pipelined = mcore("parallel_state").get_pipeline_model_parallel_world_size() > 1 or (pp_size or 1) > 1
     if pipelined and (seq_length is None or micro_batch_size is None):
         raise ValueError("seq_length and micro_batch_size are required with pipeline parallelism")

@@ -1,0 +1,167 @@
+"""Patches for Megatron-Core's MoE layer: ``moe_te_gemm_name`` and ``moe_local_spec_te_names`` (purpose
+``"upstream_bug"``: they hit GPU users without TransformerEngine as well; each patches a Megatron module when it is
+imported, or at once if it is) and ``moe_histc_cpu`` (purpose ``"cpu"``: a torch operation the CPU lacks)."""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._registry import Patch, register
+from ._tools import Changes, Undo, core_source, skipped, when_imported
+
+_MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+
+
+def _te_missing() -> bool:
+    try:
+        return importlib.util.find_spec("transformer_engine") is None
+    except (ImportError, ValueError):
+        return True
+
+
+def _needed_without_te(relpath: str, bug: str) -> Callable[[], bool]:
+    """``needed_when``: TransformerEngine is missing and the installed ``megatron/core/<relpath>`` has the bug
+    (``bug`` in its source); nothing to fix without megatron-core."""
+
+    def needed() -> bool:
+        src = core_source(relpath)
+        return _te_missing() and src is not None and bug in src
+
+    return needed
+
+
+# ------------------------------------------------------------------------------------------ moe_te_gemm_name
+def _patch_moe_utils(module: types.ModuleType) -> Undo:
+    if hasattr(module, "te_general_gemm"):
+        return skipped("moe_te_gemm_name", f"{module.__name__} already defines te_general_gemm")
+    changes = Changes()
+    changes.setattr(module, "te_general_gemm", None)
+    return changes.undo
+
+
+def _apply_moe_te_gemm_name() -> Undo:
+    return when_imported(_MOE_UTILS, _patch_moe_utils)
+
+
+_GEMM_BUG = "te_general_gemm is not None"
+
+
+def _check_moe_te_gemm_name() -> str | None:
+    src = core_source("transformer/moe/moe_utils.py")
+    if src is None or _GEMM_BUG not in src:
+        return f"megatron/core/transformer/moe/moe_utils.py does not test `{_GEMM_BUG}`"
+    return None
+
+
+register(
+    Patch(
+        name="moe_te_gemm_name",
+        versions=">=0.13,<0.17",
+        purposes=("upstream_bug", "cpu"),
+        description=(
+            "0.13-0.16 without TransformerEngine: transformer/moe/moe_utils.py imports te_general_gemm only "
+            "inside its `try: import transformer_engine` block, but RouterGatingLinearFunction tests "
+            "`te_general_gemm is not None` unconditionally, so every MoE router forward raises "
+            "\"NameError: name 'te_general_gemm' is not defined\". Defines it as None (what 0.17 does)."
+        ),
+        apply_fn=_apply_moe_te_gemm_name,
+        check_fn=_check_moe_te_gemm_name,
+        needed_when=_needed_without_te("transformer/moe/moe_utils.py", _GEMM_BUG),
+    )
+)
+
+
+# ------------------------------------------------------------------------------------- moe_local_spec_te_names
+_GPT_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
+_TE_SPEC_NAMES = ("TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear", "TEColumnParallelLinear",
+                  "TERowParallelLinear")
+
+
+def _patch_gpt_layer_specs(module: types.ModuleType) -> Undo:
+    missing = [name for name in _TE_SPEC_NAMES if not hasattr(module, name)]
+    if not missing:
+        return skipped("moe_local_spec_te_names", f"{module.__name__} already defines {', '.join(_TE_SPEC_NAMES)}")
+    changes = Changes()
+    for name in missing:
+        changes.setattr(module, name, None)
+    return changes.undo
+
+
+def _apply_moe_local_spec_te_names() -> Undo:
+    return when_imported(_GPT_SPECS, _patch_gpt_layer_specs)
+
+
+_SPEC_BUG = "_get_moe_module_spec(\n            use_te=True"
+
+
+def _check_moe_local_spec_te_names() -> str | None:
+    src = core_source("models/gpt/gpt_layer_specs.py")
+    if src is None or _SPEC_BUG not in src:
+        return "megatron/core/models/gpt/gpt_layer_specs.py does not build the MoE spec with use_te=True"
+    return None
+
+
+register(
+    Patch(
+        name="moe_local_spec_te_names",
+        versions=">=0.10,<0.11",
+        purposes=("upstream_bug", "cpu"),
+        description=(
+            "0.10.x without TransformerEngine: get_gpt_layer_local_spec(num_experts=...) builds the MoE spec "
+            "with use_te=True (models/gpt/gpt_layer_specs.py _get_mlp_module_spec), which reads "
+            "TEColumnParallelGroupedLinear and TEColumnParallelLinear, names bound only when TE imports: "
+            "\"NameError: name 'TEColumnParallelGroupedLinear' is not defined\". Binds the missing TE names to "
+            "None, so the local spec gets its ColumnParallelLinear/RowParallelLinear experts (0.11 passes use_te "
+            "through)."
+        ),
+        apply_fn=_apply_moe_local_spec_te_names,
+        check_fn=_check_moe_local_spec_te_names,
+        needed_when=_needed_without_te("models/gpt/gpt_layer_specs.py", _SPEC_BUG),
+    )
+)
+
+
+# ------------------------------------------------------------------------------------------- moe_histc_cpu
+_TORCH_HISTC = torch.histc
+
+
+def _histc(input: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0, **kwargs: Any) -> torch.Tensor:
+    """``torch.histc`` that also counts integer tensors on a CPU (as CUDA does), in the input's dtype."""
+    if input.device.type == "cpu" and not input.is_floating_point() and not kwargs:
+        return _TORCH_HISTC(input.double(), bins=bins, min=min, max=max).to(input.dtype)
+    return _TORCH_HISTC(input, bins=bins, min=min, max=max, **kwargs)
+
+
+def _apply_moe_histc_cpu() -> Undo:
+    changes = Changes()
+    changes.setattr(torch, "histc", _histc)
+    return changes.undo
+
+
+def _dispatcher_counts_with_histc() -> bool:
+    src = core_source("transformer/moe/token_dispatcher.py")
+    return src is not None and "torch.histc(" in src
+
+
+register(
+    Patch(
+        name="moe_histc_cpu",
+        versions=">=0.5,<0.10",
+        purposes=("cpu",),
+        description=(
+            "0.5-0.9 (not 0.8): the MoE token dispatchers count tokens per expert with torch.histc on the integer "
+            "expert indices, which CUDA supports and the CPU does not (\"NotImplementedError: histogram_cpu not "
+            "implemented for 'Long'\"). torch.histc counts integer CPU tensors through float64 (exact for "
+            "expert indices) and returns the input's dtype, as on CUDA. Skipped where the dispatcher uses "
+            "torch.bincount."
+        ),
+        apply_fn=_apply_moe_histc_cpu,
+        check_fn=lambda: None if callable(getattr(torch, "histc", None)) else "torch.histc is missing",
+        needed_when=_dispatcher_counts_with_histc,
+    )
+)
