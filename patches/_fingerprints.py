@@ -66,6 +66,22 @@ FINGERPRINTS: dict[str, dict[str, dict[str, str | None]]] = {
             "0.15.3": "baf50eed21746b88",
         },
     },
+    "moe_te_gemm_name": {
+        "megatron.core.transformer.moe.moe_utils:RouterGatingLinearFunction": {
+            "0.13.0": "f35d71b6913fb367",
+            "0.13.1": "f35d71b6913fb367",
+            "0.14.0": "f35d71b6913fb367",
+            "0.15.0": "2e9ff907437fca0d",
+            "0.15.3": "2e9ff907437fca0d",
+            "0.16.0": "137fa2e70306f009",
+            "0.16.1": "137fa2e70306f009",
+        },
+    },
+    "moe_local_spec_te_names": {
+        "megatron.core.models.gpt.gpt_layer_specs:_get_mlp_module_spec": {
+            "0.10.0": "2fdb9442a720a5a7",
+        },
+    },
     "fp32opt_abstract": {
         "megatron.core.optimizer.optimizer:FP32Optimizer": {
             "0.6.0": "3448a4849e75dd99",

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import types
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ._registry import Patch, register
-from ._tools import Changes, Undo, core_source, skipped, when_imported
+from ._tools import Changes, Undo, skipped, when_imported
 
 _MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 
@@ -24,15 +23,9 @@ def _te_missing() -> bool:
         return True
 
 
-def _needed_without_te(relpath: str, bug: str) -> Callable[[], bool]:
-    """``needed_when``: TransformerEngine is missing and the installed ``megatron/core/<relpath>`` has the bug
-    (``bug`` in its source); nothing to fix without megatron-core."""
-
-    def needed() -> bool:
-        src = core_source(relpath)
-        return _te_missing() and src is not None and bug in src
-
-    return needed
+def _needed_without_te() -> bool:
+    """``needed_when``: TransformerEngine is missing (with it, the names the patches bind exist)."""
+    return _te_missing()
 
 
 # ------------------------------------------------------------------------------------------ moe_te_gemm_name
@@ -48,16 +41,6 @@ def _apply_moe_te_gemm_name() -> Undo:
     return when_imported(_MOE_UTILS, _patch_moe_utils)
 
 
-_GEMM_BUG = "te_general_gemm is not None"
-
-
-def _check_moe_te_gemm_name() -> str | None:
-    src = core_source("transformer/moe/moe_utils.py")
-    if src is None or _GEMM_BUG not in src:
-        return f"megatron/core/transformer/moe/moe_utils.py does not test `{_GEMM_BUG}`"
-    return None
-
-
 register(
     Patch(
         name="moe_te_gemm_name",
@@ -70,8 +53,8 @@ register(
             "\"NameError: name 'te_general_gemm' is not defined\". Defines it as None (what 0.17 does)."
         ),
         apply_fn=_apply_moe_te_gemm_name,
-        check_fn=_check_moe_te_gemm_name,
-        needed_when=_needed_without_te("transformer/moe/moe_utils.py", _GEMM_BUG),
+        needed_when=_needed_without_te,
+        targets=("megatron.core.transformer.moe.moe_utils:RouterGatingLinearFunction",),
     )
 )
 
@@ -96,16 +79,6 @@ def _apply_moe_local_spec_te_names() -> Undo:
     return when_imported(_GPT_SPECS, _patch_gpt_layer_specs)
 
 
-_SPEC_BUG = "_get_moe_module_spec(\n            use_te=True"
-
-
-def _check_moe_local_spec_te_names() -> str | None:
-    src = core_source("models/gpt/gpt_layer_specs.py")
-    if src is None or _SPEC_BUG not in src:
-        return "megatron/core/models/gpt/gpt_layer_specs.py does not build the MoE spec with use_te=True"
-    return None
-
-
 register(
     Patch(
         name="moe_local_spec_te_names",
@@ -120,8 +93,8 @@ register(
             "through)."
         ),
         apply_fn=_apply_moe_local_spec_te_names,
-        check_fn=_check_moe_local_spec_te_names,
-        needed_when=_needed_without_te("models/gpt/gpt_layer_specs.py", _SPEC_BUG),
+        needed_when=_needed_without_te,
+        targets=("megatron.core.models.gpt.gpt_layer_specs:_get_mlp_module_spec",),
     )
 )
 
@@ -143,15 +116,10 @@ def _apply_moe_histc_cpu() -> Undo:
     return changes.undo
 
 
-def _dispatcher_counts_with_histc() -> bool:
-    src = core_source("transformer/moe/token_dispatcher.py")
-    return src is not None and "torch.histc(" in src
-
-
 register(
     Patch(
         name="moe_histc_cpu",
-        versions=">=0.5,<0.10",
+        versions=">=0.5,<0.10,!=0.8.*",
         purposes=("cpu",),
         description=(
             "0.5-0.9 (not 0.8): the MoE token dispatchers count tokens per expert with torch.histc on the integer "
@@ -162,6 +130,5 @@ register(
         ),
         apply_fn=_apply_moe_histc_cpu,
         check_fn=lambda: None if callable(getattr(torch, "histc", None)) else "torch.histc is missing",
-        needed_when=_dispatcher_counts_with_histc,
     )
 )

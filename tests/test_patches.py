@@ -288,8 +288,9 @@ def test_apply_for_order_and_idempotence() -> None:
     # The stand-ins come in only where the real package is missing (needed_when, evaluated in this process).
     stubs = [n for n, pkg in (("apex", "apex"), ("te_stub", "transformer_engine")) if not importlib.util.find_spec(pkg)]
     first = patches.apply_for("cpu", version="0.7.0")
-    # tensor_cuda is skipped: cuda_factory covers Tensor.cuda(); cuda_arch_env is 0.15 only.
-    expected = ["cuda_device", "cuda_factory", "tensor_type", "rng", "cuda_sync", *stubs]
+    # tensor_cuda is skipped: cuda_factory covers Tensor.cuda(); cuda_arch_env is 0.15 only; moe_histc_cpu is
+    # the MoE dispatchers' torch.histc on 0.5-0.9.
+    expected = ["cuda_device", "cuda_factory", "tensor_type", "rng", "cuda_sync", "moe_histc_cpu", *stubs]
     assert first == expected
     assert patches.applied() == first
     assert patches.apply_for("cpu", version="0.7.0") == []  # second call: nothing new
@@ -323,8 +324,9 @@ def test_apply_for_device_refuses_an_unknown_device() -> None:
 @pytest.mark.unit
 def test_patched_context_manager_reverts() -> None:
     before = _snapshot()
+    te_less = ["moe_local_spec_te_names"] if not importlib.util.find_spec("transformer_engine") else []
     with patches.patched("cpu", version="0.10.0") as names:
-        assert names == ["cuda_device", "cuda_factory", "tensor_type", "rng", "cuda_sync"]
+        assert names == ["cuda_device", "cuda_factory", "tensor_type", "rng", "cuda_sync", *te_less]
         assert torch.cuda.current_device() == "cpu"
     assert patches.applied() == []
     assert _snapshot() == before
@@ -337,7 +339,8 @@ def test_apply_for_purpose_filter() -> None:
     assert names == ["apex"]
     assert [p.name for p in patches.applicable("upstream_bug", version="0.12.3")] == ["fp8_noop",
                                                                                        "stale_embedding_ranks"]
-    assert [p.name for p in patches.applicable("upstream_bug", version="0.13.0")] == []
+    assert [p.name for p in patches.applicable("upstream_bug", version="0.13.0")] == ["moe_te_gemm_name"]
+    assert [p.name for p in patches.applicable("upstream_bug", version="0.17.0")] == []
 
 
 # ============================================================================ with a real megatron-core (mcore)
