@@ -156,6 +156,7 @@ def _run(config: Config) -> dict[str, Any]:
         "finite": all(math.isfinite(v) for v in losses),
         "param_gather_overlapped": overlapped,
         "second_build_identical": same_weights,
+        "layer_numbers": [[layer.layer_number for layer in _core(c).decoder.layers] for c in chunks],
         "n_params": len(params),
         "unchanged": sorted(n for n in params if torch.equal(before[n], after[n])),
         "digests": {n: _digest(t) for n, t in after.items()},
