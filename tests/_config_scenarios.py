@@ -136,8 +136,7 @@ def _run(config: Config) -> dict[str, Any]:
     losses, norms = [], []
     for _ in range(STEPS):
         mt.zero_grad_buffer(chunks, optimizer)
-        data = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
-        stored = mt.forward_backward(step, data, chunks, models.MICROBATCHES, seq_length=models.SEQ,
+        stored = mt.forward_backward(step, models.data_iterators(batches, chunks), chunks, models.MICROBATCHES, seq_length=models.SEQ,
                                      micro_batch_size=models.MICRO_BATCH, check_hooks=config.finalize)
         _ok, norm, _ = mt.optimizer_step(optimizer)
         norms.append(norm)
