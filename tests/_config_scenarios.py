@@ -136,8 +136,7 @@ def _run(config: Config) -> dict[str, Any]:
     losses, norms = [], []
     for _ in range(STEPS):
         mt.zero_grad_buffer(chunks, optimizer)
-        data = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
-        stored = mt.forward_backward(step, data, chunks, models.MICROBATCHES, seq_length=models.SEQ,
+        stored = mt.forward_backward(step, models.data_iterators(batches, chunks), chunks, models.MICROBATCHES, seq_length=models.SEQ,
                                      micro_batch_size=models.MICRO_BATCH, check_hooks=config.finalize)
         _ok, norm, _ = mt.optimizer_step(optimizer)
         norms.append(norm)
@@ -156,6 +155,7 @@ def _run(config: Config) -> dict[str, Any]:
         "finite": all(math.isfinite(v) for v in losses),
         "param_gather_overlapped": overlapped,
         "second_build_identical": same_weights,
+        "layer_numbers": [[layer.layer_number for layer in _core(c).decoder.layers] for c in chunks],
         "n_params": len(params),
         "unchanged": sorted(n for n in params if torch.equal(before[n], after[n])),
         "digests": {n: _digest(t) for n, t in after.items()},

@@ -76,11 +76,25 @@ def _differing(group: list[dict[str, Any]], names: set[str]) -> list[str]:
     return sorted(n for n in names if len({r["digests"][n] for r in group}) > 1)
 
 
+def _check_layer_numbers(name: str, ranks: list[dict[str, Any]]) -> None:
+    """Each chunk holds its own slice of the layers: virtual stage ``i`` of pipeline rank ``r`` holds layers
+    ``(i * pp + r) * L + 1 ...`` (Megatron's interleaved assignment; ``L`` layers per virtual stage)."""
+    from mcore_compat.selfcheck.models import LAYERS_PER_STAGE
+
+    opts = SCENARIOS.options_of(CONFIGS[name])
+    per_stage = LAYERS_PER_STAGE // opts.vpp
+    for r in ranks:
+        pp_rank = r["coords"]["pp"]
+        want = [[(i * opts.pp + pp_rank) * per_stage + k + 1 for k in range(per_stage)] for i in range(opts.vpp)]
+        assert r["layer_numbers"] == want, (r["coords"], r["layer_numbers"], want)
+
+
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_configuration_trains(request: pytest.FixtureRequest, name: str) -> None:
     ranks = _ranks(request, name)
     assert all(r["second_build_identical"] for r in ranks), "build_chunks twice gave different weights"
+    _check_layer_numbers(name, ranks)
     last = [r for r in ranks if r["last_stage"]]
     assert last and all(len(r["losses"]) == SCENARIOS.STEPS for r in last), [r["losses"] for r in ranks]
     assert all(r["finite"] for r in last), [r["losses"] for r in last]

@@ -22,6 +22,7 @@ __all__ = [
     "batches",
     "build_chunks",
     "build_model",
+    "data_iterators",
     "ddp_config",
     "forward_step",
     "init_parallel",
@@ -388,3 +389,11 @@ def make_batches(opts: SelfCheckOptions, dp_rank: int) -> list[Batch]:
 
 #: The micro-batches of one step (:func:`make_batches`).
 batches = make_batches
+
+
+def data_iterators(step_batches: list[Batch], chunks: list[Any]) -> Any:
+    """What ``forward_backward`` takes for ``chunks``: one iterator over ``step_batches``, or with several chunks
+    (virtual pipeline stages) one iterator per chunk, each over every micro-batch."""
+    if len(chunks) > 1:
+        return [iter(step_batches) for _ in chunks]
+    return iter(step_batches)
