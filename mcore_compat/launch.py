@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-__all__ = ["Group", "RankFailure", "RankTimeout", "default_backend", "free_port", "init_from_env", "spawn"]
+__all__ = ["Group", "RankFailure", "RankTimeout", "default_backend", "destroy_process_groups_since", "free_port",
+           "init_from_env", "process_groups", "spawn"]
 
 T = TypeVar("T")
 
@@ -107,7 +108,7 @@ def _flush_and_exit(results: Any, code: int) -> None:
     os._exit(code)
 
 
-def _subgroups() -> set[Any]:
+def process_groups() -> set[Any]:
     """The process groups this process holds now (torch's registry; empty where a torch lacks it)."""
     from torch.distributed import distributed_c10d as c10d
 
@@ -115,13 +116,18 @@ def _subgroups() -> set[Any]:
     return set(getattr(world, "pg_map", {}))
 
 
-def _destroy_subgroups_since(before: set[Any]) -> None:
-    """Destroy the process groups created since ``before`` was taken (never the default group)."""
+def destroy_process_groups_since(before: set[Any]) -> None:
+    """Destroy the process groups created since ``before`` (:func:`process_groups`) was taken, never the default
+    group. Each gloo group keeps threads alive until destroyed: Megatron's ``initialize_model_parallel`` creates
+    dozens, and ``destroy_model_parallel`` only drops its references."""
+    import gc
+
     import torch.distributed as dist
 
-    for pg in _subgroups() - before:
+    for pg in process_groups() - before:
         if pg is not dist.GroupMember.WORLD:
             dist.destroy_process_group(pg)
+    gc.collect()  # a group's threads end when its last reference goes: models and optimizers hold some in cycles
 
 
 def _child(rank: int, world: int, port: int, setup: _Setup, inbox: Any, results: Any) -> None:
@@ -145,10 +151,10 @@ def _child(rank: int, world: int, port: int, setup: _Setup, inbox: Any, results:
         seq = -1
         try:
             seq, fn, args, kwargs = pickle.loads(message)
-            before = _subgroups() if setup.destroy_subgroups else set()
+            before = process_groups() if setup.destroy_subgroups else set()
             value = fn(*args, **kwargs)
             if setup.destroy_subgroups:
-                _destroy_subgroups_since(before)
+                destroy_process_groups_since(before)
             # Plain pickle (not torch's ForkingPickler): tensors travel by value, not as shared-memory handles
             # that vanish when this process exits.
             results.put((rank, seq, "ok", pickle.dumps(value)))

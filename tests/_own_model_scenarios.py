@@ -92,6 +92,7 @@ def run_case(case: str) -> dict[str, Any]:
     report = check_training_step(chunks, optimizer, models.forward_step(opts), iter(batches),
                                  num_microbatches=models.MICROBATCHES, seq_length=models.SEQ,
                                  micro_batch_size=models.MICRO_BATCH, binding=binding, reference=reference)
+    models.release_chunks(chunks)
     ps.destroy_model_parallel()
     return {"ok": report.ok, "checks": {c.name: c.status for c in report.checks}, "text": report.render(),
             "settings": report.settings}

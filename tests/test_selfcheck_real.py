@@ -232,7 +232,6 @@ def test_check_training_step_on_own_model(own_model: dict[str, dict], case: str)
 # -------------------------------------------------- world size 4: TP=2 x PP=2, DP=2 x PP=2 (tied), DP=2 x TP=2 (SP)
 WORLD4 = {
     "tp2-sp-pp2-distopt": SelfCheckOptions(tp=2, pp=2, distributed_optimizer=True, model="gpt", steps=2),
-    "dp2-pp2-tied-plain": SelfCheckOptions(tp=1, pp=2, distributed_optimizer=False, model="gpt", steps=2),
     "dp2-pp2-tied-distopt-bf16": SelfCheckOptions(tp=1, pp=2, distributed_optimizer=True, model="gpt", steps=2,
                                                   dtype="bf16", lr=1e-6),
     "dp2-tp2-sp-distopt-bf16": SelfCheckOptions(tp=2, pp=1, distributed_optimizer=True, model="gpt", steps=2,

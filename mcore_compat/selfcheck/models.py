@@ -28,6 +28,7 @@ __all__ = [
     "init_parallel",
     "make_batches",
     "optim_config",
+    "release_chunks",
     "transformer_config",
     "unsupported_reason",
 ]
@@ -385,6 +386,18 @@ def make_batches(opts: SelfCheckOptions, dp_rank: int) -> list[Batch]:
         target = torch.randn(SEQ, MICRO_BATCH, HIDDEN, generator=g)
         out.append(Batch(*(t.to(device) for t in (tokens, labels, pos, mask, x, target))))
     return out
+
+
+def release_chunks(chunks: list[Any]) -> None:
+    """Let a finished run's model (and the process groups its layers, DDP and optimizer hold) be freed.
+
+    Megatron's DDP hangs its backward hooks on the params' autograd accumulator nodes, and those hooks refer back
+    to the DDP object: a cycle through C++ objects that Python's garbage collector cannot break, so every run in
+    a long-lived process would keep its model and its gloo groups (~50 threads) alive. Emptying the DDP objects
+    leaves the cycle holding only the params and the hook closures. The chunks are unusable afterwards.
+    """
+    for chunk in chunks:
+        chunk.__dict__.clear()
 
 
 #: The micro-batches of one step (:func:`make_batches`).

@@ -96,13 +96,17 @@ def _spawned_sweep(configs: list[SelfCheckOptions]) -> list[tuple[list[Check], d
 
     import torch.distributed as dist
 
+    from ..launch import destroy_process_groups_since, process_groups
     from .worker import run_rank
 
     out: list[tuple[list[Check], dict[str, Any], str | None]] = []
     for index, opts in enumerate(configs):
+        before = process_groups()
         try:
             checks, env = run_rank(opts)
             out.append((checks, env, None))
+            dist.barrier()
+            destroy_process_groups_since(before)  # the configuration's groups (dozens of gloo threads each)
         except Exception as exc:
             out.append(([], {}, traceback.format_exc()))
             try:  # leave parallel_state clean for the next configuration
@@ -120,8 +124,7 @@ def _spawned_sweep(configs: list[SelfCheckOptions]) -> list[tuple[list[Check], d
             except RuntimeError as stuck:
                 raise RuntimeError(f"configuration {index} ({opts.as_dict()}) failed on this rank and its peers "
                                    f"did not follow ({stuck})") from exc
-            continue
-        dist.barrier()
+            destroy_process_groups_since(before)
     return out
 
 
