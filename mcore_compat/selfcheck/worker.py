@@ -344,3 +344,15 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
     models.release_chunks(chunks)
     ps.destroy_model_parallel()
     return checks, env
+
+
+def _loss_check(verifier: StepVerifier) -> Check:
+    t = verifier.tally["loss"]
+    if not t.applicable:
+        return Check.not_applicable("loss_matches_reference", "no loss on this rank")
+    curve = " -> ".join(f"{x:.5g}" for x in verifier.losses_seen)
+    if t.failures:
+        return Check("loss_matches_reference", False, "; ".join(t.failures[:3]), {"failures": t.failures})
+    return Check("loss_matches_reference", True,
+                 f"every micro-batch's loss equals the reference's, every step (mean loss per step {curve})",
+                 {"losses": verifier.losses_seen})
