@@ -194,7 +194,7 @@ def standard_sweep(nproc: int = 2, *, with_skipped: bool = False, **common: Any)
         ]
     configs, skipped = [], []
     for c in candidates:
-        why = models.unsupported_reason(replace(c, nproc=nproc).resolved())
+        why = models.unsupported_reason(replace(c, nproc=nproc, device="cpu").resolved())  # no GPU count check
         if why is None:
             configs.append(c)
         else:
