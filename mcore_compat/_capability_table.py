@@ -289,6 +289,11 @@ _ROWS_MODELS: tuple[C, ...] = (
       "GPTModel takes vp_stage (models/gpt/gpt_model.py; TransformerBlock derives its layers from it); before, "
       "the virtual stage is parallel_state's virtual rank while the chunk is built",
       def_has_param(_GPT, "GPTModel.__init__", "vp_stage")),
+    C("chained_optimizer_global_clip", ">=0.8",
+      "ChainedOptimizer (dense and expert params of a MoE model) clips every sub-optimizer by the global gradient "
+      "norm (optimizer/optimizer.py ChainedOptimizer.prepare_grads/step_with_ready_grads, 0.8); 0.6/0.7 step "
+      "each sub-optimizer with its own norm, so dense and expert params are clipped by different coefficients",
+      defines(_OPTIM, "ChainedOptimizer.prepare_grads")),
     C("moe_local_spec", ">=0.5",
       "the local GPT layer spec builds MoE layers (get_gpt_layer_local_spec(num_experts=...), "
       "transformer/moe/; 0.4 has only the TransformerEngine SwitchMLP spec)",

@@ -16,8 +16,9 @@ of 0.6+) on top of the 0.4/0.5 ``DistributedDataParallel`` grad buffers; it is o
   inf/nan check (found-inf max-reduced over the model-parallel group, plus the data-parallel group when
   distributed); on overflow the step is skipped and ``(False, None, None)`` returned. The L2 grad norm counts
   each element once: params that are ``shared`` are skipped, tensor-parallel duplicates (no
-  ``tensor_model_parallel=True`` attribute) count on TP rank 0 only; it is sum-reduced over the model-parallel
-  group (and the data-parallel group when distributed). Unlike Megatron 0.6-0.11 the norm is returned even when
+  ``tensor_model_parallel=True`` attribute) count on TP rank 0 only, expert params (``allreduce=False``) on
+  expert-data-parallel rank 0 (each expert-parallel rank holds its own experts); it is sum-reduced over the
+  model-parallel group (and the data-parallel group when distributed; the experts' part always). Unlike Megatron 0.6-0.11 the norm is returned even when
   ``clip_grad == 0``. Clipping: ``coeff = clip_grad / (norm + 1e-6)`` applied when ``< 1``.
 * **Distributed mode** (``use_distributed_optimizer``): the flat parameter space is sharded over the
   data-parallel group. For a model chunk that is a 0.4/0.5 DDP the sharding is the one DDP's reduce-scatter
@@ -74,6 +75,11 @@ def _all_reduce(value: torch.Tensor, op: Any, groups: Iterable[Group]) -> torch.
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(value, op=op, group=group)
     return value
+
+
+def _is_expert(param: torch.nn.Parameter) -> bool:
+    """An expert param (Megatron marks them ``allreduce=False``: reduced over expert data parallelism)."""
+    return not getattr(param, "allreduce", True)
 
 
 @dataclass
@@ -173,12 +179,14 @@ class LegacyOptimizer:
     """Megatron-style mixed-precision / distributed optimizer; build it with :func:`build_legacy_optimizer`."""
 
     def __init__(self, config: Any, model_chunks: Sequence[torch.nn.Module], param_groups: list[dict[str, Any]],
-                 data_parallel_group: Group, model_parallel_group: Group, tensor_parallel_rank: int) -> None:
+                 data_parallel_group: Group, model_parallel_group: Group, tensor_parallel_rank: int,
+                 expert_data_parallel_rank: int = 0) -> None:
         self.config, self.model_chunks = config, list(model_chunks)
         self.distributed = bool(_cfg(config, "use_distributed_optimizer", False))
         self.clip_grad = float(_cfg(config, "clip_grad", 1.0))
         self.log_num_zeros = bool(_cfg(config, "log_num_zeros_in_grad", False))
         self._dp_group, self._mp_group, self._tp_rank = data_parallel_group, model_parallel_group, tensor_parallel_rank
+        self._edp_rank = expert_data_parallel_rank
         fp16, bf16, loss_scale = _cfg(config, "fp16", False), _cfg(config, "bf16", False), _cfg(config, "loss_scale", 0)
         self.grad_scaler: Optional[_GradScaler] = None
         if loss_scale and (fp16 or bf16 or self.distributed):
@@ -322,8 +330,15 @@ class LegacyOptimizer:
                 return False, None, None
         counted = [s.main.grad for s in self._slots if s.main.grad is not None and self._counts(s)]
         sumsq = torch.zeros(1, dtype=torch.float32, device=self._device())
-        for g in counted:
-            sumsq += torch.linalg.vector_norm(g).square()
+        expert_sumsq = torch.zeros(1, dtype=torch.float32, device=self._device())
+        for s in self._slots:
+            if s.main.grad is not None and self._counts(s):
+                target = expert_sumsq if _is_expert(s.model_param) else sumsq
+                target += torch.linalg.vector_norm(s.main.grad).square()
+        # expert params differ over the expert-parallel ranks, which lie inside the data-parallel group: their
+        # squares are summed over it whether or not the optimizer is distributed
+        sumsq += _all_reduce(expert_sumsq, dist.ReduceOp.SUM, [self._dp_group]) if not self.distributed \
+            else expert_sumsq
         grad_norm = float(_all_reduce(sumsq, dist.ReduceOp.SUM, groups).item()) ** 0.5
         if self.clip_grad > 0.0 and self.clip_grad / (grad_norm + 1.0e-6) < 1.0:
             coeff = self.clip_grad / (grad_norm + 1.0e-6)
@@ -349,12 +364,16 @@ class LegacyOptimizer:
         return torch.device("cpu")
 
     def _counts(self, slot: _Slot) -> bool:
-        """Whether ``slot``'s grad enters the norm here (each element once over the whole world)."""
+        """Whether ``slot``'s grad enters the norm here (each element once over the whole world): the tied copy
+        (``shared``) never, tensor-parallel duplicates on TP rank 0, a param every data-parallel rank holds whole
+        on DP rank 0, an expert param (its expert-parallel rank's own) on expert-data-parallel rank 0."""
         param = slot.model_param
         if getattr(param, "shared", False):
             return False
         if not getattr(param, "tensor_model_parallel", False) and self._tp_rank != 0:
             return False
+        if _is_expert(param):
+            return self._edp_rank == 0
         return not (slot.replicated and _rank(self._dp_group) != 0)
 
     def _copy_main_to_model(self) -> None:
@@ -408,5 +427,12 @@ def build_legacy_optimizer(config: Any, model_chunks: Sequence[torch.nn.Module] 
     if model_parallel_group is None and ps is not None:
         model_parallel_group = ps.get_model_parallel_group()
     tp_rank = ps.get_tensor_model_parallel_rank() if ps is not None else 0
+    edp = getattr(ps, "get_data_modulo_expert_parallel_group", None) if ps is not None else None
+    edp_rank = 0
+    if edp is not None:
+        try:
+            edp_rank = _rank(edp())
+        except (AssertionError, RuntimeError):  # no expert groups
+            edp_rank = 0
     groups = _param_groups(chunks, no_weight_decay_cond, scale_lr_cond, lr_mult)
-    return LegacyOptimizer(config, chunks, groups, data_parallel_group, model_parallel_group, tp_rank)
+    return LegacyOptimizer(config, chunks, groups, data_parallel_group, model_parallel_group, tp_rank, edp_rank)

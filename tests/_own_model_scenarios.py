@@ -101,3 +101,27 @@ def run_case(case: str) -> dict[str, Any]:
 def run_all() -> dict[str, dict[str, Any]]:
     """Every case in one process group."""
     return {case: run_case(case) for case in CASES}
+
+
+def legacy_tied_refusal() -> str | None:
+    """World size 4 (DP=2 x PP=2), tied embeddings, the distributed optimizer: on the releases served by
+    mcore_compat's own optimizer (0.4/0.5) building it must refuse; returns the error's text (``None``: built)."""
+    from mcore_compat import patches
+
+    patches.apply_for_device("cpu")
+    from mcore_compat import symbols, training
+    from mcore_compat.errors import UnsupportedVersionError
+    from mcore_compat.selfcheck import SelfCheckOptions, models
+
+    opts = SelfCheckOptions(nproc=4, tp=1, pp=2, device="cpu", model="gpt", tie_embeddings=True).resolved()
+    models.init_parallel(opts)
+    modules, _ = models.build_chunks(opts)
+    chunks = training.wrap_ddp(modules, ddp_config=models.ddp_config(opts))
+    try:
+        training.get_megatron_optimizer(models.optim_config(opts), chunks)
+        message = None
+    except UnsupportedVersionError as exc:
+        message = str(exc)
+    models.release_chunks(chunks)
+    symbols.resolve("parallel_state").destroy_model_parallel()
+    return message

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -246,9 +247,32 @@ def _why_not(config: SelfCheckOptions, nproc: int) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def world4() -> dict[str, Report]:
+def world4_group() -> Iterator[Group]:
+    with Group(4, device="cpu", destroy_subgroups=True) as group:
+        yield group
+
+
+@pytest.fixture(scope="module")
+def world4(world4_group: Group) -> dict[str, Report]:
     runnable = {n: c for n, c in WORLD4.items() if _why_not(c, 4) is None}
-    return dict(zip(runnable, run_sweep(list(runnable.values()), 4, device="cpu", timeout=900), strict=True))
+    return dict(zip(runnable, run_sweep(list(runnable.values()), 4, device="cpu", timeout=900, group=world4_group),
+                    strict=True))
+
+
+def test_own_optimizer_refuses_tied_embeddings_it_would_train_wrong(world4_group: Group) -> None:
+    """0.4/0.5 (mcore_compat's optimizer): DP=2 x PP=2 with tied embeddings and the distributed optimizer is
+    refused with a clear error (their DDP would sum the two stages' embedding gradients unaligned); from 0.6
+    Megatron's optimizer builds it (and the self-check proves its training above)."""
+    import _own_model_scenarios as scenarios
+
+    from mcore_compat._ranges import in_range
+
+    messages = world4_group.run(scenarios.legacy_tied_refusal, timeout=600)
+    if in_range(_installed(), "<0.6"):
+        assert all(m and "tied across pipeline stages" in m and "use_distributed_optimizer=False" in m
+                   for m in messages), messages
+    else:
+        assert messages == [None] * 4
 
 
 @pytest.mark.parametrize("name", list(WORLD4))

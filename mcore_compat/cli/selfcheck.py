@@ -104,7 +104,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace, opts: Any) -> int:
     import json
-    from dataclasses import replace
 
     from ..selfcheck import UsageError, run_sweep, standard_sweep
 
@@ -119,8 +118,7 @@ def _sweep(args: argparse.Namespace, opts: Any) -> int:
     nproc = args.nproc or 2
     common = {k: v for k, v in opts.as_dict().items() if k not in ("nproc", *_CONFIG_FLAGS, "timeout")}
     try:
-        configs, skipped = standard_sweep(nproc, with_skipped=True)
-        configs = [replace(c, **common) for c in configs]
+        configs, skipped = standard_sweep(nproc, with_skipped=True, **common)
         reports = run_sweep(configs, nproc, device=args.device, timeout=args.timeout) if configs else []
     except UsageError as exc:
         print(f"mcore-compat self-check: error: {exc}", file=sys.stderr)

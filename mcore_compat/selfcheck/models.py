@@ -87,6 +87,18 @@ REQUIREMENTS: tuple[_Requirement, ...] = (
                  "interleaved_needs_pp_over_2", False,
                  "parallel_state.initialize_model_parallel raises 'pipeline-model-parallel size should be "
                  "greater than 2 with interleaved schedule' (> 1 from 0.8)"),
+    _Requirement("MoE with gradient clipping on Megatron's optimizer",
+                 lambda o: o.experts > 0 and o.clip_grad > 0 and _has("core_optimizer"),
+                 "chained_optimizer_global_clip", True,
+                 "0.6/0.7's ChainedOptimizer clips dense and expert params by separate norms, not by the global "
+                 "norm (optimizer/optimizer.py ChainedOptimizer.step), which the self-check reports as a wrong update"),
+    _Requirement("tied embeddings across pipeline stages with the distributed optimizer at DP > 1",
+                 lambda o: o.tie_embeddings and (o.pp or 1) > 1 and (o.dp or 1) > 1 and o.distributed_optimizer,
+                 "core_optimizer", True,
+                 "0.4/0.5's DDP reduce-scatters the first and last stage's copies of the tied weight over shards that "
+                 "do not line up, so the embedding all-reduce of finalize_model_grads mixes reduced and unreduced "
+                 "gradients (distributed/distributed_data_parallel.py, finalize_model_grads.py); mcore_compat's "
+                 "optimizer for 0.4/0.5 refuses this layout"),
     _Requirement("the overlapped parameter all-gather (overlap with the distributed optimizer)",
                  lambda o: o.overlap and o.distributed_optimizer, "core_optimizer", True,
                  "it is a feature of Megatron's DistributedOptimizer (megatron/core/optimizer/, 0.6+); the "

@@ -313,7 +313,30 @@ def _check_buffer_groups(buffers: Mapping[int, Any], dp_group: Any) -> None:
 # legacy (0.4/0.5)
 # ----------------------------------------------------------------------------------------------------------------
 
+def _check_legacy_tied_layout(config: Any, chunks: list[Any]) -> None:
+    """0.4/0.5's DDP reduce-scatters the first and last pipeline stage's copies of a tied embedding over shards
+    that do not line up (each stage's buffer has its own layout), and ``finalize_model_grads`` then all-reduces
+    the whole embedding gradient between the stages, mixing reduced and unreduced parts: refuse that layout."""
+    if not getattr(OptimConfig.from_any(config), "use_distributed_optimizer", False):
+        return
+    ps = parallel_state()
+    if ps.get_pipeline_model_parallel_world_size() < 2 or ps.get_data_parallel_world_size() < 2:
+        return
+    for chunk in chunks:
+        core = chunk
+        while type(core).__name__ in ("DistributedDataParallel", "Float16Module") and hasattr(core, "module"):
+            core = core.module
+        if getattr(core, "share_embeddings_and_output_weights", False):
+            raise UnsupportedVersionError(
+                f"megatron-core {installed_version()}: the distributed optimizer with embeddings tied across "
+                f"pipeline stages at data-parallel size {ps.get_data_parallel_world_size()} trains the embedding "
+                f"with wrong gradients (this release's DDP shards the two stages' copies differently, and "
+                f"finalize_model_grads sums them unaligned). Use use_distributed_optimizer=False, untie the "
+                f"embeddings (share_embeddings_and_output_weights=False), or megatron-core >= 0.6.")
+
+
 def _legacy(version: Version, config: Any, chunks: list[Any], a: dict[str, Any]) -> Any:
+    _check_legacy_tied_layout(config, chunks)
     try:
         legacy = importlib.import_module("mcore_compat.legacy_optimizer")
     except ImportError as exc:
