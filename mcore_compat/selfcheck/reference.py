@@ -29,7 +29,7 @@ from typing import Any
 
 __all__ = ["GradReference", "PlainReference", "unwrap_ddp"]
 
-_DTYPES = ("float32", "bfloat16", "float16", "float64")
+_DTYPES = ("float32", "bfloat16", "float16", "float64", "int64")
 
 
 def unwrap_ddp(chunk: Any) -> Any:
@@ -294,7 +294,7 @@ def _set_input_tensor(model: Any, tensor: Any) -> None:
 
 
 def dtype_code(dtype: Any) -> int:
-    """A small integer for a floating dtype (for the p2p metadata)."""
+    """A small integer for a dtype sent point-to-point (for the metadata sent ahead of it)."""
     return _DTYPES.index(str(dtype).replace("torch.", ""))
 
 

@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .groups import Groups
+from .invariants import compare_replicas, global_grad_norm
 from .optimizer_view import MainParam, optimizer_view
 from .oracle import BOUND_TEXT, Rule, expected_step, rule_of, unsupported_group
-from .reference import GradReference, PlainReference, ceil_log2, core_module, unwrap_ddp
+from .reference import GradReference, PlainReference, core_module
 from .report import Check
 
 __all__ = ["StepVerifier", "named_trainable"]
@@ -294,39 +295,12 @@ class StepVerifier:
         if known:
             self.losses_seen.append(sum(known) / len(known))
 
-    def _norm_of_finalized(self) -> tuple[float, float]:
-        """The global grad norm of the finalized gradients (each element of the model once), and its bound."""
-        import torch
-        import torch.distributed as dist
-
-        g = self.groups
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        biggest = 1
-        tied = g.tied_weight([unwrap_ddp(c) for c in self.chunks])
-        for mp in self.view:
-            grad = self._pre[id(mp)].grad
-            if grad is None:
-                continue
-            expert = not getattr(mp.model, "allreduce", True)
-            dp_first = (g.edp_rank if expert else g.dp_rank) == 0
-            tp_first = getattr(mp.model, "tensor_model_parallel", False) or g.tp_rank == 0
-            tied_copy = tied is not None and mp.model is tied and g.pp_rank != 0
-            if (mp.sharded or dp_first) and tp_first and not tied_copy:
-                total += (grad.double() / self._loss_scale).square().sum()
-                biggest = max(biggest, mp.model.numel())
-        dist.all_reduce(total)
-        count = torch.tensor([len(self.view.params)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(count)
-        norm = float(total.sqrt())
-        # fp32 sums of squares by pairwise/cascade reductions: <= (ceil(log2 n) + T + R + 4) u relative
-        rel = (ceil_log2(biggest) + ceil_log2(int(count.item()) + 1) + ceil_log2(dist.get_world_size()) + 4) * 2.0**-24
-        return norm, rel * norm
-
     def _check_norm(self, grad_norm: float | None) -> None:
         t = self.tally["norm"]
         if self.view.unsupported:
             return
-        mine, bound = self._norm_of_finalized()
+        mine, bound = global_grad_norm(self.view, {k: pre.grad for k, pre in self._pre.items()}, self.groups,
+                                       self.chunks, self._loss_scale)
         if grad_norm is None or (grad_norm == 0.0 and not _clip_grad(self.optimizer)):
             # without clipping, releases skip the norm and report None (0.6-0.12) or 0.0 (later)
             t.note = "the optimizer computes no grad norm without clipping (clip_grad = 0)"
@@ -459,47 +433,13 @@ class StepVerifier:
 
     def _replicas(self, when: str) -> None:
         """Every replicated param bit-identical over its group (collective)."""
-        import torch
-        import torch.distributed as dist
-
-        g = self.groups
+        result = compare_replicas(self.groups, self.names, self.chunks, when)
         t = self.tally["replicas"]
-        params = [(n, p) for p, n in sorted(self.names.items(), key=lambda kv: kv[1])]
-        sets = []
-        if g.dp_size > 1:
-            sets.append(("data-parallel", g.dp, [(n, p) for n, p in params if getattr(p, "allreduce", True)]))
-        if g.edp_size > 1:
-            sets.append(("expert-data-parallel", g.edp,
-                         [(n, p) for n, p in params if not getattr(p, "allreduce", True)]))
-        if g.tp > 1:
-            sets.append(("tensor-parallel duplicates", g.tp_group,
-                         [(n, p) for n, p in params if not getattr(p, "tensor_model_parallel", False)
-                          and getattr(p, "allreduce", True)]))
-        for label, group, members in sets:
-            if not members:
-                continue
-            flat = torch.cat([p.detach().reshape(-1).float() for _, p in members])
-            gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(gathered, flat, group=group)
-            t.see(0.0, label, flat.numel())
-            for other in gathered:
-                if not torch.equal(other, flat):
-                    bad, off = [], 0
-                    for n, p in members:
-                        k = p.numel()
-                        if not torch.equal(other[off:off + k], flat[off:off + k]):
-                            bad.append(n)
-                        off += k
-                    t.fail(f"{when}: {label} replicas differ: {', '.join(bad[:4])}")
-                    break
-            self.replica_groups.add(label)
-        tied = g.tied_weight([unwrap_ddp(c) for c in self.chunks])
-        if tied is not None:
-            other = g.exchange_tied(tied.detach().contiguous())
-            t.see(0.0, "tied embedding", tied.numel())
-            self.replica_groups.add("tied embedding/output")
-            if not torch.equal(other, tied.detach()):
-                t.fail(f"{when}: tied embedding/output weight differs between the first and last stage")
+        if result.labels:
+            t.see(0.0, when, result.elements)
+        self.replica_groups |= result.labels
+        for failure in result.failures:
+            t.fail(failure)
 
     # ------------------------------------------------------------------------------------------- verdicts
     def checks(self) -> list[Check]:
