@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import importlib.util
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ._registry import Patch, register
-from ._tools import Changes, Undo, skipped, when_imported
+from ._tools import Changes, Undo, skipped, when_imported_checked
 
 _MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 
@@ -28,19 +29,23 @@ def _needed_without_te() -> bool:
     return _te_missing()
 
 
+def _bind_missing_to_none(patch: str, module_name: str, names: tuple[str, ...]) -> Callable[[], Undo]:
+    """An ``apply_fn``: when ``module_name`` is imported (at once if it is), after its targets pass the patch's
+    fingerprint check, bind each of ``names`` it lacks to ``None`` (what the release reads when TE is missing)."""
+
+    def patch_module(module: types.ModuleType) -> Undo:
+        missing = [name for name in names if not hasattr(module, name)]
+        if not missing:
+            return skipped(patch, f"{module.__name__} already defines {', '.join(names)}")
+        changes = Changes()
+        for name in missing:
+            changes.setattr(module, name, None)
+        return changes.undo
+
+    return lambda: when_imported_checked(patch, module_name, patch_module)
+
+
 # ------------------------------------------------------------------------------------------ moe_te_gemm_name
-def _patch_moe_utils(module: types.ModuleType) -> Undo:
-    if hasattr(module, "te_general_gemm"):
-        return skipped("moe_te_gemm_name", f"{module.__name__} already defines te_general_gemm")
-    changes = Changes()
-    changes.setattr(module, "te_general_gemm", None)
-    return changes.undo
-
-
-def _apply_moe_te_gemm_name() -> Undo:
-    return when_imported(_MOE_UTILS, _patch_moe_utils)
-
-
 register(
     Patch(
         name="moe_te_gemm_name",
@@ -52,7 +57,7 @@ register(
             "`te_general_gemm is not None` unconditionally, so every MoE router forward raises "
             "\"NameError: name 'te_general_gemm' is not defined\". Defines it as None (what 0.17 does)."
         ),
-        apply_fn=_apply_moe_te_gemm_name,
+        apply_fn=_bind_missing_to_none("moe_te_gemm_name", _MOE_UTILS, ("te_general_gemm",)),
         needed_when=_needed_without_te,
         targets=("megatron.core.transformer.moe.moe_utils:RouterGatingLinearFunction",),
     )
@@ -63,20 +68,6 @@ register(
 _GPT_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
 _TE_SPEC_NAMES = ("TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear", "TEColumnParallelLinear",
                   "TERowParallelLinear")
-
-
-def _patch_gpt_layer_specs(module: types.ModuleType) -> Undo:
-    missing = [name for name in _TE_SPEC_NAMES if not hasattr(module, name)]
-    if not missing:
-        return skipped("moe_local_spec_te_names", f"{module.__name__} already defines {', '.join(_TE_SPEC_NAMES)}")
-    changes = Changes()
-    for name in missing:
-        changes.setattr(module, name, None)
-    return changes.undo
-
-
-def _apply_moe_local_spec_te_names() -> Undo:
-    return when_imported(_GPT_SPECS, _patch_gpt_layer_specs)
 
 
 register(
@@ -92,7 +83,7 @@ register(
             "None, so the local spec gets its ColumnParallelLinear/RowParallelLinear experts (0.11 passes use_te "
             "through)."
         ),
-        apply_fn=_apply_moe_local_spec_te_names,
+        apply_fn=_bind_missing_to_none("moe_local_spec_te_names", _GPT_SPECS, _TE_SPEC_NAMES),
         needed_when=_needed_without_te,
         targets=("megatron.core.models.gpt.gpt_layer_specs:_get_mlp_module_spec",),
     )
