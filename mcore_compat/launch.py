@@ -120,14 +120,11 @@ def destroy_process_groups_since(before: set[Any]) -> None:
     """Destroy the process groups created since ``before`` (:func:`process_groups`) was taken, never the default
     group. Each gloo group keeps threads alive until destroyed: Megatron's ``initialize_model_parallel`` creates
     dozens, and ``destroy_model_parallel`` only drops its references."""
-    import gc
-
     import torch.distributed as dist
 
     for pg in process_groups() - before:
         if pg is not dist.GroupMember.WORLD:
             dist.destroy_process_group(pg)
-    gc.collect()  # a group's threads end when its last reference goes: models and optimizers hold some in cycles
 
 
 def _child(rank: int, world: int, port: int, setup: _Setup, inbox: Any, results: Any) -> None:
