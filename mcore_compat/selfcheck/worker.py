@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from . import models
@@ -128,12 +129,12 @@ def _binding_checks(binding: Any, chunks: list[Any]) -> list[Check]:
         verified = Check("binding_verified", True, f"{len(binding)} parameters at their offsets of "
                          f"{len(binding.flat_buffers())} flat buffer(s) ({binding.mode})")
     except BindingError as exc:
-        verified = Check("binding_verified", False, str(exc).splitlines()[0])
+        verified = Check("binding_verified", False, " ".join(ln.strip() for ln in str(exc).splitlines()[:2]))
     params: dict[str, Any] = {}
     for i, chunk in enumerate(chunks):
         for n, p in _core(chunk).named_parameters():
             params[n if len(chunks) == 1 else f"chunk{i}.{n}"] = p
-    views = binding._flats and binding.named_views()
+    views = binding.named_views()
     stale = [n for n, v in views.items() if not torch.equal(v, params[n].detach())]
     current = Check("bound_buffer_current", not stale,
                     f"{len(views) - len(stale)}/{len(views)} flat-buffer views equal the model's weights after "
@@ -253,7 +254,7 @@ def _forward_step_for(opts: SelfCheckOptions) -> Any:
 # ------------------------------------------------------------------------------------------------ the run
 def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
     """Run the self-check on this rank (process group already initialised); returns its checks and environment."""
-    applied = _prepare(opts)
+    _prepare(opts)
     import warnings
 
     # Known, harmless noise from torch's collectives and Megatron's CPU fallbacks; the report says what matters.
@@ -269,18 +270,15 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
     ps = symbols.resolve("parallel_state")
     models.init_parallel(opts)
     env = {"python": platform.python_version(), "torch": torch.__version__, "megatron_core": str(detect().version),
-           "device": opts.device, "backend": dist.get_backend(), "patches": ",".join(applied) or "none"}
+           "device": opts.device, "backend": dist.get_backend()}
 
-    dtype = torch.bfloat16 if opts.dtype == "bf16" else torch.float32
     modules, _config = models.build_chunks(opts)
     chunks = training.wrap_ddp(modules, ddp_config=models.ddp_config(opts))
     if opts.fault == "rebind_before_optimizer":
         _rebind_outside(chunks[0])
     lr = 0.0 if opts.fault == "lr_zero" else opts.lr
-    optimizer = training.get_megatron_optimizer(training.OptimConfig(
-        optimizer="adam", lr=lr, weight_decay=opts.weight_decay, clip_grad=opts.clip_grad,
-        bf16=opts.dtype == "bf16", params_dtype=dtype, use_distributed_optimizer=opts.distributed_optimizer),
-        chunks, no_weight_decay_cond=no_decay)
+    optimizer = training.get_megatron_optimizer(replace(models.optim_config(opts), lr=lr), chunks,
+                                                no_weight_decay_cond=no_decay)
     training.set_lr_and_weight_decay(optimizer, lr, opts.weight_decay)
     training.install_training_hooks(chunks, optimizer)
     if opts.fault == "rebind_after_optimizer":
@@ -313,7 +311,7 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
     for k in range(opts.steps):
         verifier.before_step()
         training.zero_grad_buffer(chunks, optimizer)
-        data = [iter(b) for b in per_chunk] if len(chunks) > 1 else iter(batches)
+        data = models.data_iterators(batches, chunks)
         stored = training.forward_backward(forward_step, data, chunks, models.MICROBATCHES, seq_length=models.SEQ,
                                            micro_batch_size=models.MICRO_BATCH,
                                            check_hooks=opts.fault != "no_finalize_hook")
