@@ -156,10 +156,18 @@ def test_clean_configurations_pass(sweep: dict[str, Report], lr: float) -> None:
         report = sweep[name]
         assert report.ok, report.render()
         applied = {c.name for c in report.checks if c.applicable}
-        assert {"grads_match_reference", "grad_norm_matches_reference", "update_matches_optimizer_rule",
+        assert {"grads_match_reference", "update_matches_optimizer_rule",
                 "all_params_changed", "param_groups_as_configured", "optimizer_covers_params",
                 "state_unchanged_between_steps", "training_hooks_installed", "model_params_match_main",
                 "replicas_identical"} <= applied, report.render()
+        # the norm is compared wherever the configuration clips; where a release cannot clip it (MoE on 0.6/0.7,
+        # see capabilities' chained_optimizer_global_clip) the sweep runs without clipping and the check says why
+        if report.settings["clip_grad"] > 0:
+            assert "grad_norm_matches_reference" in applied, report.render()
+        else:
+            assert "clip_grad = 0" in report.check("grad_norm_matches_reference").detail, report.render()
+    clipped = [n for n in names if sweep[n].settings["clip_grad"] > 0]
+    assert clipped, names  # gradient clipping is active in at least one configuration on every release
 
 
 def test_the_standard_sweep_exercises_every_part_of_finalize(sweep: dict[str, Report]) -> None:
