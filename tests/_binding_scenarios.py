@@ -34,7 +34,7 @@ def _init_parallel(pp: int = 1) -> None:
 
 
 def _core(chunk: Any) -> Any:
-    from mcore_compat.layout import _unwrap
+    from mcore_compat.layout.read import unwrap as _unwrap
 
     return _unwrap(chunk)
 
