@@ -325,7 +325,7 @@ def test_ci_runs_the_readme_test_command() -> None:
 
 
 def test_faults_cell_shows_the_fault_detection_score() -> None:
-    from mcore_compat.support import _faults_cell
+    from mcore_compat.support.render import _faults_cell
 
     assert _faults_cell(None) == "—"
     assert _faults_cell({"result": "pass"}) == "—"

@@ -1,0 +1,103 @@
+"""``matrix/README.md``: the support table and the base environments, rendered from the matrix's data."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .model import Release
+
+__all__ = ["render"]
+
+
+_HEADER = """\
+<!-- Generated from matrix/versions.toml and matrix/results.json by `python -m mcore_compat.support render`.
+     Do not edit by hand: edit versions.toml (releases) or run `python3 -m nox -s matrix` (CPU results)
+     or scripts/record_gpu_results.py (GPU results). -->
+# Supported Megatron-Core releases
+
+Every release below has its own nox session (`nox -s mcore-<version>`, `nox -l` lists them) that runs the
+`mcore`-marked tests against that exact release on a CPU-only torch. **min**/**latest** mark the earliest and
+latest tested patch of each minor. A version that is not listed (a release candidate, a source checkout, a newer
+release) is looked up by `mcore-compat doctor`, which names the nearest tested releases.
+
+**CPU**: the release's nox session (pytest counts) and its `mcore-compat self-check --nproc 2 --sweep --bind`
+(the standard configurations the release can run: DP=2 with the distributed optimizer on and off, TP=2 with
+sequence parallelism, PP=2 with tied embeddings, PP=2 with virtual stages, overlapped DP, MoE with expert
+parallelism), on gloo. **Faults caught**: the fault-injection suite (`tests/test_selfcheck_real.py`), every fault
+that can exist on the release injected where the real bug acts, in fp32 and bf16; a fault counts as caught when
+the self-check FAILS naming the right check (and the clean configurations PASS). **GPU**: `scripts/gpu_matrix.py`
+on NVIDIA H200 with NCCL: the self-check in bf16 with `--bind` on 1 GPU (distributed optimizer on and off, lr
+1e-2 and 1e-6) and, where a 2-GPU machine was lent, the standard sweep on 2 GPUs; per-configuration results are
+in `results.json`, the raw runs in `gpu-runs/` (`python3 scripts/record_gpu_results.py` re-records them).
+"""
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ") if text else "—"
+
+
+def _limits_cell(release: Release) -> str:
+    names = {"requires_python": "python", "torch": "torch", "numpy": "numpy", "setuptools": "setuptools"}
+    return ", ".join(f"{names[k]}{v}" for k, v in release.limits().items()) or "—"
+
+
+def _install_cell(release: Release) -> str:
+    if release.install == "unpack-wheel":
+        return f"cp{release.wheel_python.replace('.', '')} wheel's `megatron/` on sys.path (no metadata)"
+    return "`pip install megatron-core==" + str(release.version) + "`"
+
+
+def _result_cell(result: Mapping[str, Any] | None) -> str:
+    if not result:
+        return "—"
+    text = f"{result.get('result', '?')} ({result.get('date', '?')})"
+    configs = result.get("configurations")
+    if isinstance(configs, list) and configs and all(isinstance(c, Mapping) for c in configs):
+        gpus = sorted({int(c.get("gpus", 1)) for c in configs})
+        good = sum(bool(c.get("ok")) for c in configs)
+        where = "/".join(map(str, gpus)) + " GPU" + ("s" if gpus != [1] else "")
+        return _cell(f"{text}: {good}/{len(configs)} configurations on {where}")
+    counts = [f"{result[k]} {k}" for k in ("passed", "failed", "errors", "skipped") if result.get(k)]
+    if counts:
+        text += ": " + ", ".join(counts)
+    check = result.get("self_check")
+    if isinstance(check, Mapping) and check.get("summary"):
+        text += f"; self-check {check['summary']}"
+    return _cell(text)
+
+
+def _faults_cell(result: Mapping[str, Any] | None) -> str:
+    """``28/28 (100 %)`` from a CPU result's ``fault_detection`` (``—`` when not recorded)."""
+    faults = (result or {}).get("fault_detection")
+    if not isinstance(faults, Mapping) or not faults.get("faults"):
+        return "—"
+    caught, total = int(faults.get("caught", 0)), int(faults["faults"])
+    text = f"{caught}/{total} ({100.0 * caught / total:.0f} %)"
+    if faults.get("clean") and faults.get("clean_pass") != faults.get("clean"):
+        text += f"; clean {faults.get('clean_pass')}/{faults.get('clean')}"
+    return text
+
+
+def render(releases: Iterable[Release], recorded: Mapping[str, Mapping[str, Any]],
+           bases: Mapping[str, list[str]]) -> str:
+    """The text of ``matrix/README.md``.
+
+    Args:
+        releases: the listed releases, oldest first.
+        recorded: recorded results by release and kind (``{"0.16.1": {"cpu": {...}}}``).
+        bases: the base environments' requirements by Python version.
+    """
+    lines = [_HEADER, "| megatron-core | tags | Python | limits | install | CPU | faults caught | GPU | notes |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in releases:
+        res = recorded.get(str(r.version), {})
+        tags = ", ".join(t for t in r.tags if t in ("min", "latest", "oldest", "newest"))
+        lines.append(f"| {r.version} | {tags} | {r.python} | {_limits_cell(r)} | {_install_cell(r)} | "
+                     f"{_result_cell(res.get('cpu'))} | {_faults_cell(res.get('cpu'))} | "
+                     f"{_result_cell(res.get('gpu'))} | {_cell(r.notes)} |")
+    lines += ["", "## Base environments", "",
+              "Each Python has one shared environment; a release's limits must hold in its base "
+              "(the noxfile checks this before running a session).", ""]
+    lines += [f"* Python {p}: " + ", ".join(f"`{req}`" for req in reqs) for p, reqs in bases.items()]
+    return "\n".join(lines) + "\n"
