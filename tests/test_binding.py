@@ -60,6 +60,31 @@ def test_manifest_json_round_trip() -> None:
 
 
 @pytest.mark.unit
+def test_manifest_module_stands_alone_without_a_process_group() -> None:
+    """``mcore_compat.binding.manifest`` is plain data: a fresh interpreter imports it, round-trips a manifest
+    through JSON and reads views of buffers laid out by it, with no process group and no Megatron."""
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys, torch\n"
+        "from mcore_compat.binding.manifest import MANIFEST_FORMAT, Manifest, ManifestBuffer, ManifestEntry\n"
+        "m = Manifest((ManifestBuffer(0, 0, 'k', 'float32', 6, False),),\n"
+        "             (ManifestEntry('w', 0, 0, 0, (2, 2), 'float32'), ManifestEntry('b', 0, 0, 4, (2,), 'float32')),\n"
+        "             '0.9.0')\n"
+        "back = Manifest.from_json(m.to_json())\n"
+        "assert back == m and back.format == MANIFEST_FORMAT, back\n"
+        "views = back.views([torch.arange(6, dtype=torch.float32)])\n"
+        "assert views['b'].tolist() == [4.0, 5.0] and views['w'].shape == (2, 2)\n"
+        "assert not (torch.distributed.is_available() and torch.distributed.is_initialized())\n"
+        "assert not any(n == 'megatron' or n.startswith('megatron.') for n in sys.modules), 'megatron imported'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.unit
 def test_manifest_views_slice_buffers_and_check_them() -> None:
     m = _manifest()
     flats = [torch.arange(40, dtype=torch.bfloat16), torch.arange(6, dtype=torch.float32)]
