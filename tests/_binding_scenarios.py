@@ -34,9 +34,9 @@ def _init_parallel(pp: int = 1) -> None:
 
 
 def _core(chunk: Any) -> Any:
-    from mcore_compat.layout.read import unwrap as _unwrap
+    from mcore_compat.layout.read import unwrap
 
-    return _unwrap(chunk)
+    return unwrap(chunk)
 
 
 def _build(distopt: bool, bf16: bool = False, optimizer: bool = True, module: Any = None) -> tuple[list[Any], Any]:

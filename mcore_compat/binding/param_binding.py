@@ -26,7 +26,7 @@ __all__ = ["ParamBinding", "Slot", "place_problem"]
 
 @dataclass
 class Slot:
-    """One bound parameter."""
+    """One bound parameter: which parameter, and where :func:`~mcore_compat.binding.bind_params` put it."""
 
     name: str  # name in the binding
     module_name: str  # name in the chunk's unwrapped module
