@@ -22,7 +22,16 @@ from __future__ import annotations
 
 from .compute import DEFAULT_BUCKET_SIZE, compute_layout
 from .facts import LAYOUT_FACTS, layout_fact
-from .model import BucketLayout, BufferKey, BufferLayout, LayoutError, ModelLayout, ParamLayout, ParamSpec
+from .model import (
+    BucketLayout,
+    BufferKey,
+    BufferLayout,
+    LayoutError,
+    ModelLayout,
+    ParamLayout,
+    ParamsArg,
+    ParamSpec,
+)
 from .read import layout_of
 
 __all__ = [
@@ -35,6 +44,7 @@ __all__ = [
     "ModelLayout",
     "ParamLayout",
     "ParamSpec",
+    "ParamsArg",
     "compute_layout",
     "layout_fact",
     "layout_of",
