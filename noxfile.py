@@ -54,6 +54,11 @@ from xml.etree import ElementTree
 
 import nox
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - nox on Python 3.10
+    import tomli as tomllib
+
 REPO = Path(__file__).resolve().parent
 CACHE = REPO / ".cache"
 WHEELS = CACHE / "wheels"
@@ -80,11 +85,14 @@ nox.options.sessions = ["unit", "lint"]
 
 
 def _load_support() -> ModuleType:
-    """``mcore_compat/support.py`` loaded from the source file (nox's interpreter lacks mcore_compat's deps)."""
+    """The package ``mcore_compat/support/`` loaded from its source files under a name of its own (nox's
+    interpreter lacks mcore_compat's deps; the package imports nothing else of mcore_compat)."""
     name = "_mcore_compat_support_for_nox"
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "mcore_compat" / "support.py")
+    package = REPO / "mcore_compat" / "support"
+    spec = importlib.util.spec_from_file_location(name, package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -304,7 +312,7 @@ def check_limits(release: Any, out: _Out) -> None:
 # ============================================================================================ mcore-compat itself
 def _package_sources() -> list[Path]:
     """The files and directories a wheel of this repository is built from."""
-    pyproject = support._toml.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
     dirs = set(pyproject.get("tool", {}).get("setuptools", {}).get("package-dir", {}).values()) | {"mcore_compat"}
     files = [REPO / "pyproject.toml", *sorted(REPO.glob("README*")), *sorted(REPO.glob("LICENSE*"))]
     return files + [REPO / d for d in sorted(dirs)]

@@ -88,18 +88,19 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name].append(json.loads(line[len("RESULT "):]))
                 print(f"  {name}: {runs[name][-1]['seconds'] / runs[name][-1]['configs']:.3f} s per configuration",
                       flush=True)
-    per = {k: [r["seconds"] / r["configs"] for r in v] for k, v in runs.items()}
-    ratio = statistics.median(per["current"]) / statistics.median(per["baseline"])
-    pairs = [c / b for b, c in zip(per["baseline"], per["current"], strict=True)]
-    headline = [
-        C.metric("self-check time per configuration, current/baseline", ratio, "x", goal="<= 1.5",
-                 note=f"medians {statistics.median(per['current']):.3f} vs {statistics.median(per['baseline']):.3f} s"),
-        C.metric("median of paired ratios", statistics.median(pairs), "x"),
-        C.metric("all verdicts ok", float(all(all(r["ok"]) for v in runs.values() for r in v)), "", goal="== 1"),
-    ]
-    C.write_result(NAME, args.device, args.out, config={"baseline": args.baseline, "reps": args.reps},
-                   results={"per_configuration_s": {k: C.stats(v) for k, v in per.items()}, "runs": runs},
-                   headline=headline)
+        sys.path.insert(0, str(trees["current"]))  # the environment recorded is the current tree's
+        per = {k: [r["seconds"] / r["configs"] for r in v] for k, v in runs.items()}
+        ratio = statistics.median(per["current"]) / statistics.median(per["baseline"])
+        pairs = [c / b for b, c in zip(per["baseline"], per["current"], strict=True)]
+        headline = [
+            C.metric("self-check time per configuration, current/baseline", ratio, "x", goal="<= 1.5",
+                     note=f"medians {statistics.median(per['current']):.3f} vs {statistics.median(per['baseline']):.3f} s"),
+            C.metric("median of paired ratios", statistics.median(pairs), "x"),
+            C.metric("all verdicts ok", float(all(all(r["ok"]) for v in runs.values() for r in v)), "", goal="== 1"),
+        ]
+        C.write_result(NAME, args.device, args.out, config={"baseline": args.baseline, "reps": args.reps},
+                       results={"per_configuration_s": {k: C.stats(v) for k, v in per.items()}, "runs": runs},
+                       headline=headline)
     return 0
 
 
