@@ -62,6 +62,17 @@ class Row(Generic[V]):
         return range_text(self.versions)
 
 
+def _span(spec: str) -> tuple[Version | None, Version | None]:
+    """``(lower bound, upper bound)`` of a half-open range (``None``: unbounded)."""
+    lo = hi = None
+    for s in specifier(spec):
+        if s.operator == ">=":
+            lo = Version(s.version)
+        elif s.operator == "<":
+            hi = Version(s.version)
+    return lo, hi
+
+
 def _module_file(module: str) -> str:
     return module.replace(".", "/") + ".py"
 
@@ -115,8 +126,18 @@ class Fact(Generic[V]):
         return bool(row is not None and row.value is True)
 
     def where(self, predicate: Callable[[V], bool]) -> str:
-        """Human-readable union of the ranges whose value satisfies ``predicate`` (``"no release"`` if none)."""
-        return " or ".join(r.range() for r in self.rows if predicate(r.value)) or "no release"
+        """Human-readable union of the ranges whose value satisfies ``predicate``, adjacent ranges merged
+        (``"v >= 0.8"``; ``"no release"`` if none)."""
+        spans = sorted((_span(r.versions) for r in self.rows if predicate(r.value)),
+                       key=lambda s: s[0] or Version("0"))
+        merged: list[list[Version | None]] = []
+        for lo, hi in spans:
+            if merged and merged[-1][1] is not None and merged[-1][1] == lo:
+                merged[-1][1] = hi
+            else:
+                merged.append([lo, hi])
+        return " or ".join(range_text(",".join(
+            ([f">={lo}"] if lo else []) + ([f"<{hi}"] if hi else []))) for lo, hi in merged) or "no release"
 
     @property
     def versions(self) -> str:

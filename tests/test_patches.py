@@ -453,11 +453,11 @@ def _skip_unless_bug_exists(patch: str) -> None:
 
 def _skip_unless_core_optimizer() -> None:
     """Skip (a release limit) on releases without ``megatron.core.optimizer``."""
+    from mcore_compat.capabilities import has
     from mcore_compat.detect import detect
-    from mcore_compat.training import _tables
 
     version = detect().version
-    if _tables.lookup(_tables.OPTIMIZER_SOURCE, version, "optimizer source") != "core":
+    if not has("core_optimizer", version):
         pytest.skip(f"release limit: megatron-core {version} has no megatron.core.optimizer (this test steps "
                     f"Megatron's own optimizer)")
 
