@@ -765,7 +765,7 @@ def _doctor_report(rows: dict[str, Any]) -> dict[str, Any]:
             "apex": {"present": False}, "transformer_engine": {"present": False},
             "megatron_core": {"found": True, "version": "0.12.3", "source": "test", "checkout": True, "path": "/x",
                               "warnings": []},
-            "capabilities": [], "symbols": [], "patches": list(rows.values())}
+            "facts": [], "symbols": [], "patches": list(rows.values())}
 
 
 @pytest.mark.mcore

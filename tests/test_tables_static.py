@@ -240,3 +240,20 @@ def test_names_do_not_collide() -> None:
     """A fact name never shadows a symbol name (both are looked up by bare name in docs/doctor)."""
     clash = sorted(set(FACTS) & set(SYMBOLS))
     assert not clash, f"names used as both fact and symbol: {clash}"
+
+
+def test_doctor_lists_every_fact() -> None:
+    """``mcore-compat doctor`` shows every fact: flags as yes/no with their range, valued facts with their value."""
+    from mcore_compat.cli import doctor
+
+    rows = doctor._facts(Version("0.16.1"), probe=False)
+    assert [r["name"] for r in rows] == list(FACTS)
+    report = {"mcore_compat": "x", "python": {"version": "3", "executable": "python"}, "torch": {"present": False},
+              "apex": {"present": False}, "transformer_engine": {"present": False},
+              "megatron_core": {"found": True, "version": "0.16.1", "source": "test", "checkout": True, "path": "/x",
+                                "warnings": []},
+              "facts": rows, "symbols": [], "patches": []}
+    lines = doctor.render(report).splitlines()
+    assert any(ln.split()[:3] == ["=", "ddp_ctor", "'ddpcfg_pgc'"] for ln in lines), lines
+    assert any(ln.split()[:3] == ["yes", "core_optimizer", "v"] for ln in lines), lines
+    assert any(ln.split()[:2] == ["no", "zero_grad_buffer_arg"] for ln in lines), lines
