@@ -6,7 +6,8 @@ Import this instead of raw ``megatron.*``::
 
     mc.MCORE_VERSION                 # packaging.version.Version of the installed megatron-core
     mc.detect()                      # version, where it came from, the path imported
-    mc.has("ddp_config")             # capability flags (data, not version comparisons)
+    mc.has("core_optimizer")         # boolean facts (capabilities): table rows, not version comparisons
+    mc.fact("ddp_ctor")              # valued facts, e.g. how DistributedDataParallel takes its settings
     mc.parallel_state, mc.mpu, mc.DistributedDataParallel, mc.TransformerConfig, ...  # lazily resolved
     mc.print_rank_0("hello")         # rank-zero logging, before and after init_process_group
 
@@ -20,7 +21,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .capabilities import capabilities, has
+from .capabilities import capabilities, fact, has
 from .detect import MegatronInfo, detect, refresh
 from .errors import (
     McoreCompatError,
@@ -51,6 +52,7 @@ __all__ = [
     "__version__",
     "capabilities",
     "detect",
+    "fact",
     "get_rank",
     "has",
     "is_rank_0",

@@ -1,11 +1,13 @@
-"""Probe builders for the capability table: small, explicit checks against the installed megatron-core.
+"""Probe builders for the fact table: small, explicit checks against the installed megatron-core.
 
 Probes that only need to know whether code *exists* (or what a ``def`` declares) read the source with ``ast``,
 so a release whose module fails to import without apex/TransformerEngine can still be probed; probes about
 call signatures of importable objects import the object and use ``inspect.signature``.
 
-Every builder returns a zero-argument callable returning ``bool``. Qualified names (``qualname``) are dotted
-paths inside a module: ``"DistributedDataParallel.__init__"``, ``"get_megatron_optimizer"``,
+Every builder returns a :class:`Probe`: a zero-argument callable returning the value it observes (``bool`` for
+the checks, a tuple of names or a label for the value probes) that also records which modules it reads
+(``probe.modules``), so a fact can name its Megatron file. Qualified names (``qualname``) are dotted paths
+inside a module: ``"DistributedDataParallel.__init__"``, ``"get_megatron_optimizer"``,
 ``"DistributedDataParallelConfig.bucket_size"`` (a class-body field counts as a definition).
 """
 
@@ -15,12 +17,15 @@ import ast
 import importlib
 import importlib.util
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import cache
 from pathlib import Path
-from typing import Union
+from typing import Generic, TypeVar, Union
+
+from .detect import detect
 
 __all__ = [
+    "Probe",
     "all_of",
     "any_of",
     "asserts_name",
@@ -28,25 +33,48 @@ __all__ = [
     "assigns_self_attr",
     "attr_exists",
     "calls_with_constant",
+    "class_fields",
     "def_has_param",
+    "def_params",
     "defines",
+    "first_of",
     "module_exists",
     "module_level_call",
     "negate",
     "param_in_signature",
+    "reads_attr",
     "reads_self_attr",
     "source_of",
     "top_level_import",
 ]
 
-Probe = Callable[[], bool]
+V = TypeVar("V")
 _Scope = Union[ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef]
 _Const = Union[int, float, str]
 
 
-def _core_dir() -> Path:
-    from .detect import detect
+class Probe(Generic[V]):
+    """A zero-argument check of the installed megatron-core that knows which modules it reads.
 
+    Args:
+        fn: returns the observed value.
+        modules: dotted ``megatron.*`` modules ``fn`` reads (shown as the fact's source files).
+    """
+
+    __slots__ = ("_fn", "modules")
+
+    def __init__(self, fn: Callable[[], V], modules: Iterable[str]) -> None:
+        self._fn = fn
+        self.modules: tuple[str, ...] = tuple(dict.fromkeys(modules))
+
+    def __call__(self) -> V:
+        return self._fn()
+
+    def __repr__(self) -> str:
+        return f"<probe of {', '.join(self.modules) or 'nothing'}>"
+
+
+def _core_dir() -> Path:
     return detect().path
 
 
@@ -141,34 +169,67 @@ def _call_name(call: ast.Call) -> str | None:
 # --------------------------------------------------------------------------------------------- builders
 
 
-def module_exists(module: str) -> Probe:
+def module_exists(module: str) -> Probe[bool]:
     """Probe: the module's source file exists in the installed tree (no import)."""
-    return lambda: source_of(module) is not None
+    return Probe(lambda: source_of(module) is not None, (module,))
 
 
-def defines(module: str, qualname: str) -> Probe:
+def defines(module: str, qualname: str) -> Probe[bool]:
     """Probe: ``module``'s source defines ``qualname`` (function, class, method, assignment or field; no import).
 
     Definitions guarded by ``if``/``try`` at module or class level count.
     """
-    return lambda: _find(module, qualname) is not None
+    return Probe(lambda: _find(module, qualname) is not None, (module,))
 
 
-def def_has_param(module: str, qualname: str, param: str) -> Probe:
+def _def_params(module: str, qualname: str) -> tuple[str, ...] | None:
+    node = _find(module, qualname)
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    a = node.args
+    return tuple(x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs))
+
+
+def def_has_param(module: str, qualname: str, param: str) -> Probe[bool]:
     """Probe: the ``def`` of ``module.qualname`` declares a parameter called ``param`` (read from source)."""
+    return Probe(lambda: param in (_def_params(module, qualname) or ()), (module,))
 
-    def probe() -> bool:
+
+def def_params(module: str, qualname: str, drop: int = 0) -> Probe[tuple[str, ...] | None]:
+    """Probe: the parameter names the ``def`` of ``module.qualname`` declares, in order, without the first
+    ``drop`` (``self``, or arguments every release takes); ``None`` if there is no such ``def``. Read from
+    source, so modules that need apex or TransformerEngine to import can be probed."""
+
+    def probe() -> tuple[str, ...] | None:
+        params = _def_params(module, qualname)
+        return None if params is None else params[drop:]
+
+    return Probe(probe, (module,))
+
+
+def class_fields(module: str, qualname: str) -> Probe[tuple[str, ...] | None]:
+    """Probe: the annotated fields of the class ``module.qualname`` (a dataclass), in order; ``None`` if absent."""
+
+    def probe() -> tuple[str, ...] | None:
         node = _find(module, qualname)
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            return False
-        a = node.args
-        names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
-        return param in names
+        if not isinstance(node, ast.ClassDef):
+            return None
+        return tuple(s.target.id for s in _body_statements(node)
+                     if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name))
 
-    return probe
+    return Probe(probe, (module,))
 
 
-def attr_exists(module: str, attr: str) -> Probe:
+def first_of(cases: tuple[tuple[V, Probe[bool]], ...], default: V) -> Probe[V]:
+    """Probe: the label of the first ``(label, check)`` whose check holds, else ``default``."""
+
+    def probe() -> V:
+        return next((label for label, check in cases if check()), default)
+
+    return Probe(probe, (m for _, check in cases for m in check.modules))
+
+
+def attr_exists(module: str, attr: str) -> Probe[bool]:
     """Probe: ``module`` imports and has ``attr``."""
 
     def probe() -> bool:
@@ -176,10 +237,10 @@ def attr_exists(module: str, attr: str) -> Probe:
             return False
         return hasattr(importlib.import_module(module), attr)
 
-    return probe
+    return Probe(probe, (module,))
 
 
-def param_in_signature(module: str, qualname: str, param: str) -> Probe:
+def param_in_signature(module: str, qualname: str, param: str) -> Probe[bool]:
     """Probe: the callable ``module.qualname`` takes a parameter called ``param`` (imports the module)."""
 
     def probe() -> bool:
@@ -192,10 +253,10 @@ def param_in_signature(module: str, qualname: str, param: str) -> Probe:
             obj = getattr(obj, part)
         return param in inspect.signature(obj).parameters  # type: ignore[arg-type]
 
-    return probe
+    return Probe(probe, (module,))
 
 
-def top_level_import(module: str, imported: str) -> Probe:
+def top_level_import(module: str, imported: str) -> Probe[bool]:
     """Probe: ``module``'s source imports ``imported`` (or a submodule) at top level, outside ``try``."""
 
     def probe() -> bool:
@@ -212,10 +273,10 @@ def top_level_import(module: str, imported: str) -> Probe:
                 return True
         return False
 
-    return probe
+    return Probe(probe, (module,))
 
 
-def module_level_call(module: str, func: str) -> Probe:
+def module_level_call(module: str, func: str) -> Probe[bool]:
     """Probe: ``module`` calls ``func`` while being imported (a call outside any def/class body)."""
 
     def probe() -> bool:
@@ -224,11 +285,11 @@ def module_level_call(module: str, func: str) -> Probe:
             return False
         return any(isinstance(n, ast.Call) and _call_name(n) == func for n in _walk_scope(tree))
 
-    return probe
+    return Probe(probe, (module,))
 
 
 def calls_with_constant(modules: tuple[str, ...], funcs: tuple[str, ...], constant: _Const,
-                        within: str | None = None) -> Probe:
+                        within: str | None = None) -> Probe[bool]:
     """Probe: one of ``modules`` calls one of ``funcs`` (by bare or attribute name) with literal ``constant``
     among its positional arguments, optionally only inside the definition ``within`` (a qualname).
 
@@ -248,10 +309,10 @@ def calls_with_constant(modules: tuple[str, ...], funcs: tuple[str, ...], consta
                     return True
         return False
 
-    return probe
+    return Probe(probe, modules)
 
 
-def assigns_constant(module: str, qualname: str, name: str, constant: _Const) -> Probe:
+def assigns_constant(module: str, qualname: str, name: str, constant: _Const) -> Probe[bool]:
     """Probe: the body of ``module.qualname`` contains ``name = <constant>``."""
 
     def probe() -> bool:
@@ -265,10 +326,10 @@ def assigns_constant(module: str, qualname: str, name: str, constant: _Const) ->
                 return True
         return False
 
-    return probe
+    return Probe(probe, (module,))
 
 
-def asserts_name(module: str, qualname: str, name: str) -> Probe:
+def asserts_name(module: str, qualname: str, name: str) -> Probe[bool]:
     """Probe: the body of ``module.qualname`` has an ``assert`` whose condition mentions the name ``name``."""
 
     def probe() -> bool:
@@ -281,7 +342,7 @@ def asserts_name(module: str, qualname: str, name: str) -> Probe:
             for node in ast.walk(root)
         )
 
-    return probe
+    return Probe(probe, (module,))
 
 
 def _self_attrs(root: ast.AST, store: bool) -> set[str]:
@@ -293,36 +354,52 @@ def _self_attrs(root: ast.AST, store: bool) -> set[str]:
     }
 
 
-def reads_self_attr(module: str, qualname: str, attr: str) -> Probe:
+def reads_self_attr(module: str, qualname: str, attr: str) -> Probe[bool]:
     """Probe: the body of ``module.qualname`` reads ``self.<attr>``."""
 
     def probe() -> bool:
         root = _find(module, qualname)
         return root is not None and attr in _self_attrs(root, store=False)
 
-    return probe
+    return Probe(probe, (module,))
 
 
-def assigns_self_attr(module: str, qualname: str, attr: str) -> Probe:
+def reads_attr(module: str, qualname: str, name: str, attr: str) -> Probe[bool]:
+    """Probe: the body of ``module.qualname`` reads ``<name>.<attr>`` (e.g. ``config.virtual_pipeline_...``)."""
+
+    def probe() -> bool:
+        root = _find(module, qualname)
+        return root is not None and any(
+            isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.value, ast.Name) and n.value.id == name
+            for n in ast.walk(root))
+
+    return Probe(probe, (module,))
+
+
+def assigns_self_attr(module: str, qualname: str, attr: str) -> Probe[bool]:
     """Probe: the body of ``module.qualname`` (e.g. a whole class) assigns ``self.<attr> = ...``."""
 
     def probe() -> bool:
         root = _find(module, qualname)
         return root is not None and attr in _self_attrs(root, store=True)
 
-    return probe
+    return Probe(probe, (module,))
 
 
-def any_of(*probes: Probe) -> Probe:
+def _modules(probes: tuple[Probe[bool], ...]) -> list[str]:
+    return [m for p in probes for m in p.modules]
+
+
+def any_of(*probes: Probe[bool]) -> Probe[bool]:
     """Probe: at least one of ``probes`` holds."""
-    return lambda: any(p() for p in probes)
+    return Probe(lambda: any(p() for p in probes), _modules(probes))
 
 
-def all_of(*probes: Probe) -> Probe:
+def all_of(*probes: Probe[bool]) -> Probe[bool]:
     """Probe: every one of ``probes`` holds."""
-    return lambda: all(p() for p in probes)
+    return Probe(lambda: all(p() for p in probes), _modules(probes))
 
 
-def negate(probe: Probe) -> Probe:
+def negate(probe: Probe[bool]) -> Probe[bool]:
     """Probe: ``probe`` does not hold."""
-    return lambda: not probe()
+    return Probe(lambda: not probe(), probe.modules)

@@ -7,8 +7,8 @@ location so that releases newer than the matrix resolve to the newest known plac
 
 from __future__ import annotations
 
-from .symbols import Location as L
-from .symbols import Symbol as S
+from ._rows import Location as L
+from ._rows import Symbol as S
 
 _ALL = ">=0.4"
 

@@ -1,81 +1,118 @@
-"""Capabilities as data: named facts about Megatron-Core that hold for a version range.
+"""Facts about Megatron-Core as data: look up the value a named fact has for the installed release.
 
-Adapters ask ``has("ddp_config")`` instead of comparing versions. The rows are in
-:mod:`mcore_compat._capability_table`; each carries a probe that inspects the real installed module, and
-``tests/test_surface_real.py`` asserts in every matrix session that each row's range agrees with its probe, so
-the table cannot drift from the code it describes.
+The rows are in :mod:`mcore_compat._fact_table` (one :class:`~mcore_compat._rows.Fact` per fact, each with a
+probe of the real code). The adapters read them here instead of comparing versions::
+
+    fact("ddp_ctor")                  # "ddpcfg_pgc" on 0.15+
+    has("core_optimizer")             # a boolean fact (capability): False on 0.4/0.5
+
+``tests/test_surface_real.py`` asserts in every matrix session that each fact's value for the installed release
+equals what its probe finds (:func:`drift`), so a row the code relies on cannot silently be wrong. Lookups are
+cached per ``(name, version)``: facts are read on every training step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Any
 
 from packaging.version import Version
 
-from ._ranges import in_range, range_text
+from ._fact_table import FACTS
+from ._ranges import parse_version
+from ._rows import Fact
+from .detect import detect
+from .errors import UnknownFactError
 
-__all__ = ["Capability", "capabilities", "capability", "has", "resolved"]
+__all__ = ["capabilities", "capability", "drift", "fact", "fact_row", "facts", "has", "resolved"]
 
-
-@dataclass(frozen=True)
-class Capability:
-    """One named fact and where it holds.
-
-    Attributes:
-        name: identifier used by adapters (``has(name)``).
-        versions: PEP 440 range of releases where it holds.
-        description: what it means, for ``mcore-compat doctor``.
-        probe: checks the fact against the installed ``megatron.core`` (imports it); used by the drift test
-            and by ``doctor --probe``. Never used to decide behaviour at run time.
-    """
-
-    name: str
-    versions: str
-    description: str
-    probe: Callable[[], bool]
-
-    def holds_for(self, version: Version | str) -> bool:
-        """Whether the table says this capability holds for ``version``."""
-        return in_range(version, self.versions)
-
-    def range(self) -> str:
-        """Human-readable range."""
-        return range_text(self.versions)
+#: ``(name, version) -> (row, value)``; the row is kept so that a replaced table entry (tests) is not served stale.
+_CACHE: dict[tuple[str, Version], tuple[Fact[Any], Any]] = {}
 
 
-def capabilities() -> tuple[Capability, ...]:
-    """Every row of the table."""
-    from ._capability_table import CAPABILITIES
-
-    return CAPABILITIES
+def facts() -> tuple[Fact[Any], ...]:
+    """Every fact of the table, in table order."""
+    return tuple(FACTS.values())
 
 
-def capability(name: str) -> Capability:
-    """The row called ``name``.
+def fact_row(name: str) -> Fact[Any]:
+    """The table entry called ``name``.
 
     Raises:
-        KeyError: with the list of known names.
+        UnknownFactError: (a ``KeyError``) with the list of known names.
     """
-    for cap in capabilities():
-        if cap.name == name:
-            return cap
-    raise KeyError(f"unknown capability {name!r}; known: {', '.join(c.name for c in capabilities())}")
+    try:
+        return FACTS[name]
+    except KeyError:
+        raise UnknownFactError(f"unknown fact {name!r}; known: {', '.join(FACTS)}") from None
+
+
+def _version(version: Version | str | None) -> Version:
+    return detect().version if version is None else parse_version(version)
+
+
+def fact(name: str, version: Version | str | None = None) -> Any:
+    """The value of fact ``name`` for ``version`` (default: the detected megatron-core).
+
+    Raises:
+        UnknownFactError: no fact is called ``name``.
+        UnsupportedVersionError: no row covers ``version`` (older than 0.4).
+    """
+    ver = _version(version)
+    entry = fact_row(name)
+    hit = _CACHE.get((name, ver))
+    if hit is not None and hit[0] is entry:
+        return hit[1]
+    value = entry.value_for(ver)
+    _CACHE[(name, ver)] = (entry, value)
+    return value
 
 
 def has(name: str, version: Version | str | None = None) -> bool:
-    """Whether capability ``name`` holds for ``version`` (default: the detected megatron-core)."""
-    if version is None:
-        from .detect import detect
+    """Whether the boolean fact (capability) ``name`` holds for ``version`` (default: the detected one).
 
-        version = detect().version
-    return capability(name).holds_for(version)
+    Raises:
+        UnknownFactError: no fact is called ``name``.
+        TypeError: ``name`` is a valued fact (read it with :func:`fact`).
+    """
+    value = fact(name, version)
+    if not isinstance(value, bool):
+        raise TypeError(f"fact {name!r} is not a flag (its value for {version or 'this release'} is {value!r}); "
+                        f"read it with fact({name!r})")
+    return value
 
 
-def resolved(version: Version | str | None = None) -> dict[str, bool]:
-    """``{name: holds}`` for every capability, for ``version`` (default: the detected one)."""
-    if version is None:
-        from .detect import detect
+def capabilities() -> tuple[Fact[bool], ...]:
+    """The boolean facts (capabilities) of the table."""
+    return tuple(f for f in FACTS.values() if f.is_flag)
 
-        version = detect().version
-    return {cap.name: cap.holds_for(version) for cap in capabilities()}
+
+def capability(name: str) -> Fact[bool]:
+    """The boolean fact called ``name``.
+
+    Raises:
+        UnknownFactError: (a ``KeyError``) no flag is called ``name``; the message lists the known ones.
+    """
+    entry = FACTS.get(name)
+    if entry is None or not entry.is_flag:
+        raise UnknownFactError(f"unknown capability {name!r}; known: {', '.join(c.name for c in capabilities())}")
+    return entry
+
+
+def resolved(version: Version | str | None = None) -> dict[str, Any]:
+    """``{name: value}`` for every fact, for ``version`` (default: the detected one)."""
+    ver = _version(version)
+    return {name: entry.value_for(ver) for name, entry in FACTS.items()}
+
+
+def drift(version: Version | str | None = None) -> list[str]:
+    """Run every fact's probe against the installed megatron-core and compare with the table.
+
+    Args:
+        version: the release the table is read for (default: the detected one; it must be the installed code).
+
+    Returns:
+        One message per fact whose probe disagrees with its row (or fails), each naming the fact; empty when the
+        table matches the code.
+    """
+    ver = _version(version)
+    return [msg for entry in FACTS.values() if (msg := entry.drift(ver)) is not None]

@@ -8,6 +8,7 @@ __all__ = [
     "PatchError",
     "PatchRefusedError",
     "SymbolUnavailableError",
+    "UnknownFactError",
     "UnsupportedVersionError",
 ]
 
@@ -26,6 +27,13 @@ class UnsupportedVersionError(McoreCompatError):
 
 class SymbolUnavailableError(McoreCompatError, AttributeError):
     """A symbol of the import surface does not exist in the installed megatron-core."""
+
+
+class UnknownFactError(McoreCompatError, KeyError):
+    """A fact or capability name that is not in mcore-compat's table."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
 
 
 class PatchError(McoreCompatError):

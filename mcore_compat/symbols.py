@@ -1,6 +1,7 @@
 """The import surface: symbol -> version range -> module path/attribute, resolved lazily (like ``six.moves``).
 
-The table itself is data (:data:`SYMBOLS`, in :mod:`mcore_compat._symbol_table`). ``mcore_compat.<name>``
+The table itself is data (:data:`SYMBOLS`, in :mod:`mcore_compat._symbol_table`; rows :class:`Symbol` /
+:class:`Location` from :mod:`mcore_compat._rows`). ``mcore_compat.<name>``
 resolves a row on first access against the installed Megatron-Core. A symbol that the installed release does not
 have resolves to an :class:`Unavailable` placeholder: it is falsy, and any use (call, attribute, instantiation)
 raises :class:`~mcore_compat.errors.SymbolUnavailableError` naming the symbol, the installed version and the
@@ -10,63 +11,16 @@ versions that have it.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from packaging.version import Version
 
-from ._ranges import in_range, range_text
+from ._rows import Location, Symbol
+from ._symbol_table import SYMBOLS
+from .detect import detect
 from .errors import SymbolUnavailableError
 
 __all__ = ["Location", "Symbol", "Unavailable", "resolve", "resolve_location", "symbol_names"]
-
-
-@dataclass(frozen=True)
-class Location:
-    """Where a symbol lives for a range of releases.
-
-    Attributes:
-        versions: PEP 440 range, e.g. ``">=0.6,<0.10"``.
-        module: dotted module path.
-        attr: attribute of ``module``; ``None`` means the module itself.
-    """
-
-    versions: str
-    module: str
-    attr: str | None = None
-
-    def dotted(self) -> str:
-        """``module.attr`` (or ``module``)."""
-        return f"{self.module}.{self.attr}" if self.attr else self.module
-
-
-@dataclass(frozen=True)
-class Symbol:
-    """One row of the import surface.
-
-    Attributes:
-        name: the name under ``mcore_compat``.
-        locations: where it lives, per version range (ranges must not overlap).
-        doc: what it is.
-        needs: what importing it needs beyond megatron-core in some releases (shown in errors), e.g.
-            ``"transformer_engine (0.4-0.7)"``.
-    """
-
-    name: str
-    locations: tuple[Location, ...]
-    doc: str = ""
-    needs: str = ""
-
-    def location_for(self, version: Version) -> Location | None:
-        """The location valid for ``version``, or ``None`` if the symbol is absent there."""
-        for loc in self.locations:
-            if in_range(version, loc.versions):
-                return loc
-        return None
-
-    def available_in(self) -> str:
-        """Human-readable union of the ranges that have the symbol."""
-        return " or ".join(range_text(loc.versions) for loc in self.locations) or "no release"
 
 
 class Unavailable:
@@ -100,26 +54,27 @@ class Unavailable:
         return f"<unavailable {object.__getattribute__(self, '_name')}: {object.__getattribute__(self, '_message')}>"
 
 
-def _table() -> dict[str, Symbol]:
-    from ._symbol_table import SYMBOLS
-
-    return SYMBOLS
-
-
 def symbol_names() -> list[str]:
     """Every name of the import surface."""
-    return sorted(_table())
+    return sorted(SYMBOLS)
 
 
-def resolve_location(name: str, version: Version) -> Location | None:
-    """The table's location of ``name`` for ``version`` (no import)."""
+def _symbol(name: str) -> Symbol:
     try:
-        sym = _table()[name]
+        return SYMBOLS[name]
     except KeyError:
         raise SymbolUnavailableError(
             f"`{name}` is not part of mcore_compat's import surface; known names: {', '.join(symbol_names())}"
         ) from None
-    return sym.location_for(version)
+
+
+def resolve_location(name: str, version: Version) -> Location | None:
+    """The table's location of ``name`` for ``version`` (no import).
+
+    Raises:
+        SymbolUnavailableError: ``name`` is not in the table.
+    """
+    return _symbol(name).location_for(version)
 
 
 def resolve(name: str, version: Version | None = None) -> Any:
@@ -136,13 +91,9 @@ def resolve(name: str, version: Version | None = None) -> Any:
         SymbolUnavailableError: ``name`` is not in the table, or the release should have it but importing it
             failed (the message names the module and the import error, e.g. a missing apex/TransformerEngine).
     """
-    from .detect import detect
-
-    info = detect() if version is None else None
-    ver = version if version is not None else info.version  # type: ignore[union-attr]
-    sym = _table()[name] if name in _table() else None
-    loc = resolve_location(name, ver)
-    assert sym is not None
+    ver = version if version is not None else detect().version
+    sym = _symbol(name)
+    loc = sym.location_for(ver)
     if loc is None:
         return Unavailable(
             name,

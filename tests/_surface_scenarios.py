@@ -1,4 +1,4 @@
-"""Rank body for tests/test_surface_real.py: every capability probe and every symbol of the tables, checked against
+"""Rank body for tests/test_surface_real.py: every fact's probe and every symbol of the tables, checked against
 the installed megatron-core on a rank of the session's group (``rank_group``), after the patches a CPU run needs.
 
 The pytest process itself never imports Megatron: the patches that must precede ``import megatron.core`` (the
@@ -12,12 +12,33 @@ import traceback
 from typing import Any
 
 
-def _capability(cap: Any, version: Any) -> dict[str, Any]:
+def _fact(entry: Any, version: Any) -> dict[str, Any]:
+    """What the table says for ``version`` and what the probe finds (``error`` set if the probe raised)."""
+    row = entry.row_for(version)
+    out: dict[str, Any] = {"said": None if row is None else row.value, "row": None if row is None else row.versions,
+                           "files": entry.files(), "error": None, "found": None}
     try:
-        found: Any = bool(cap.probe())
+        out["found"] = entry.probe()
     except Exception:
-        found = "error: " + traceback.format_exc()
-    return {"said": cap.holds_for(version), "found": found, "versions": cap.versions}
+        out["error"] = traceback.format_exc()
+    return out
+
+
+def _injected_drift(version: Any) -> list[str]:
+    """The drift report with one wrong row injected: ``ddp_ctor``'s row for ``version`` says "wrong"."""
+    import dataclasses
+
+    from mcore_compat._fact_table import FACTS
+    from mcore_compat._rows import Row
+    from mcore_compat.capabilities import drift
+
+    right = FACTS["ddp_ctor"]
+    FACTS["ddp_ctor"] = dataclasses.replace(right, rows=tuple(
+        Row(r.versions, "wrong") if r is right.row_for(version) else r for r in right.rows))
+    try:
+        return drift(version)
+    finally:
+        FACTS["ddp_ctor"] = right
 
 
 def _present(sym: Any, version: Any) -> list[str]:
@@ -70,12 +91,13 @@ def _absent(sym: Any, version: Any) -> list[str]:
 
 
 def check_surface() -> dict[str, Any]:
-    """Capabilities (table vs probe) and symbols (resolution) of the installed release, on this rank."""
+    """Facts (table vs probe), symbols (resolution) and the drift check of the installed release, on this rank."""
     from mcore_compat import patches
 
     patches.apply_for_device("cpu")
-    from mcore_compat._capability_table import CAPABILITIES
+    from mcore_compat._fact_table import FACTS
     from mcore_compat._symbol_table import SYMBOLS
+    from mcore_compat.capabilities import drift
     from mcore_compat.detect import detect
 
     info = detect()
@@ -90,6 +112,8 @@ def check_surface() -> dict[str, Any]:
         "version": str(version),
         "path": str(info.path),
         "patches": patches.applied(),
-        "capabilities": {cap.name: _capability(cap, version) for cap in CAPABILITIES},
+        "facts": {name: _fact(entry, version) for name, entry in FACTS.items()},
+        "drift": drift(version),
+        "injected_drift": _injected_drift(version),
         "symbols": symbols,
     }

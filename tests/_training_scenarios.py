@@ -261,11 +261,11 @@ def _run_case(case: Case, one_rank_groups: list[Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"case": case.name, "rank": rank, "dp_rank": data_owner}
     try:
         if case.native:  # the installed release's own config objects (a keyword dict / OptimConfig before 0.7/0.6)
-            from mcore_compat.training._tables import OPTIMIZER_SOURCE, lookup
+            from mcore_compat.capabilities import has
             from mcore_compat.training.optimizer import optimizer_config_of
 
             ddp_cfg = mt.ddp_config_of(ddp_cfg)
-            if lookup(OPTIMIZER_SOURCE, _version(), "") == "core":
+            if has("core_optimizer", _version()):
                 opt_cfg = optimizer_config_of(opt_cfg)
         chunks = mt.wrap_ddp([model], ddp_config=ddp_cfg, data_parallel_group=explicit)
         extra: dict[str, Any] = {}

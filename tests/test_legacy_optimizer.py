@@ -230,18 +230,17 @@ def test_two_ranks_plain_data_parallel_sharding() -> None:
 def _legacy_optimizer_release() -> str | None:
     """Why the installed release does not use the legacy optimizer (``None`` if it does).
 
-    Asked at run time, from the table (``OPTIMIZER_SOURCE``) and the detected version, which is read without
+    Asked at run time, from the fact table (``core_optimizer``) and the detected version, which is read without
     importing Megatron: ``find_spec("megatron.core.optimizer")`` at collection would import ``megatron.core``
     before any test could apply the patches that must precede it.
     """
+    from mcore_compat.capabilities import has
     from mcore_compat.detect import detect
-    from mcore_compat.training import _tables
 
     version = detect().version
-    source = _tables.lookup(_tables.OPTIMIZER_SOURCE, version, "optimizer source")
-    if source == "legacy":
+    if not has("core_optimizer", version):
         return None
-    return (f"release limit: megatron-core {version} has megatron.core.optimizer (OPTIMIZER_SOURCE: {source!r}), "
+    return (f"release limit: megatron-core {version} has megatron.core.optimizer (fact core_optimizer), "
             f"so mcore_compat uses Megatron's optimizer and never the legacy one with Megatron's DDP")
 
 

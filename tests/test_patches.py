@@ -453,11 +453,11 @@ def _skip_unless_bug_exists(patch: str) -> None:
 
 def _skip_unless_core_optimizer() -> None:
     """Skip (a release limit) on releases without ``megatron.core.optimizer``."""
+    from mcore_compat.capabilities import has
     from mcore_compat.detect import detect
-    from mcore_compat.training import _tables
 
     version = detect().version
-    if _tables.lookup(_tables.OPTIMIZER_SOURCE, version, "optimizer source") != "core":
+    if not has("core_optimizer", version):
         pytest.skip(f"release limit: megatron-core {version} has no megatron.core.optimizer (this test steps "
                     f"Megatron's own optimizer)")
 
@@ -765,7 +765,7 @@ def _doctor_report(rows: dict[str, Any]) -> dict[str, Any]:
             "apex": {"present": False}, "transformer_engine": {"present": False},
             "megatron_core": {"found": True, "version": "0.12.3", "source": "test", "checkout": True, "path": "/x",
                               "warnings": []},
-            "capabilities": [], "symbols": [], "patches": list(rows.values())}
+            "facts": [], "symbols": [], "patches": list(rows.values())}
 
 
 @pytest.mark.mcore

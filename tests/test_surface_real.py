@@ -1,6 +1,7 @@
 """The tables against the ONE installed megatron-core (runs inside a matrix session).
 
-* every capability row: what the table says for the detected version == what its probe finds in the code;
+* every fact (capabilities and valued facts): what the table says for the detected version == what its probe finds
+  in the code, and the drift check (``capabilities.drift``) is empty; with a wrong row injected it names the fact;
 * every symbol: resolves to a real object where the table says it exists, and to an ``Unavailable``
   placeholder (whose use raises ``SymbolUnavailableError`` naming the symbol, the installed version and the
   versions that have it) where it does not.
@@ -17,7 +18,7 @@ from typing import Any
 import _surface_scenarios as SCENARIOS
 import pytest
 
-from mcore_compat._capability_table import CAPABILITIES
+from mcore_compat._fact_table import FACTS
 from mcore_compat._symbol_table import SYMBOLS
 
 pytestmark = pytest.mark.mcore
@@ -30,16 +31,29 @@ def surface(rank_group: Any) -> dict[str, Any]:
     return r0
 
 
-@pytest.mark.parametrize("name", [c.name for c in CAPABILITIES])
-def test_capability_row_matches_code(surface: dict[str, Any], name: str) -> None:
-    row = surface["capabilities"][name]
+@pytest.mark.parametrize("name", list(FACTS))
+def test_fact_row_matches_code(surface: dict[str, Any], name: str) -> None:
+    row = surface["facts"][name]
     version = surface["version"]
-    assert not isinstance(row["found"], str), f"capability {name!r}: the probe failed on {version}:\n{row['found']}"
+    assert row["error"] is None, f"fact {name!r}: the probe failed on {version}:\n{row['error']}"
+    assert row["row"] is not None, f"fact {name!r}: no row covers megatron-core {version}"
     assert row["said"] == row["found"], (
-        f"capability {name!r}: the table says it {'holds' if row['said'] else 'does not hold'} for megatron-core "
-        f"{version} (range {row['versions']!r}), but the probe finds {row['found']} in {surface['path']}. Fix the "
-        f"range in mcore_compat/_capability_table.py."
+        f"fact {name!r}: the table says {row['said']!r} for megatron-core {version} (row {row['row']!r}), but the "
+        f"probe finds {row['found']!r} in {row['files']} under {surface['path']}. Fix the row in "
+        f"mcore_compat/_fact_table.py."
     )
+
+
+def test_drift_check_is_clean(surface: dict[str, Any]) -> None:
+    assert surface["drift"] == [], "\n".join(surface["drift"])
+
+
+def test_drift_check_names_an_injected_wrong_row(surface: dict[str, Any]) -> None:
+    """ddp_ctor's row for the installed release replaced by "wrong": the drift check reports exactly that fact."""
+    report = surface["injected_drift"]
+    assert len(report) == 1, report
+    assert "'ddp_ctor'" in report[0] and "'wrong'" in report[0] and surface["version"] in report[0], report[0]
+    assert "distributed_data_parallel.py" in report[0], report[0]
 
 
 @pytest.mark.parametrize("name", list(SYMBOLS))

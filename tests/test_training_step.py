@@ -1,4 +1,4 @@
-"""The training-step API (issue 3) against the installed megatron-core: one step through mcore_compat equals plain
+"""The training-step API against the installed megatron-core: one step through mcore_compat equals plain
 PyTorch.
 
 ONE module-scoped ``run_all`` on the session's 2 gloo ranks (``rank_group``) runs every configuration (tests/_training_scenarios.py) in one gloo group;
@@ -24,12 +24,9 @@ from packaging.version import Version
 
 from mcore_compat._ranges import in_range
 from mcore_compat.errors import UnsupportedVersionError
-from mcore_compat.training import _tables as T
 from mcore_compat.training.ddp import DDPConfig, ddp_config_of
 from mcore_compat.training.optimizer import OptimConfig
 
-RELEASES = ("0.4.0 0.5.0 0.6.0 0.7.0 0.8.0 0.9.0 0.10.0 0.11.0 0.12.0 0.12.3 0.13.0 0.13.1 0.14.0 0.15.0 0.15.3 "
-            "0.16.0 0.16.1 0.17.0 0.17.1 0.18.0 0.18.2 0.19.0 0.19.2").split()
 CASES = [c.name for c in SCENARIOS.cases() if c.hooks]
 DP2_CASES = [c.name for c in SCENARIOS.cases() if c.hooks and c.dp == 2]
 
@@ -51,20 +48,6 @@ TOL = {"fp32": {"loss": 1e-5, "grad_norm": 1e-5, "update_atol": 1e-6},
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.unit
-@pytest.mark.parametrize("table", [name for name in dir(T) if name.isupper()
-                                   and isinstance(getattr(T, name), tuple) and getattr(T, name)
-                                   and isinstance(getattr(T, name)[0], T.Row)])
-def test_every_table_covers_every_release_exactly_once(table: str) -> None:
-    rows = getattr(T, table)
-    for release in RELEASES:
-        if table in T.CORE_OPTIMIZER_ONLY and T.lookup(T.OPTIMIZER_SOURCE, Version(release), "") == "legacy":
-            assert not any(in_range(release, r.versions) for r in rows)
-            continue
-        hits = [r.versions for r in rows if in_range(release, r.versions)]
-        assert len(hits) == 1, f"{table}: {release} matched {hits}"
-
-
-@pytest.mark.unit
 def test_ddp_settings_translate_to_pre_0_7_keyword_arguments() -> None:
     kwargs = ddp_config_of({"grad_reduce_in_fp32": True, "use_distributed_optimizer": True}, Version("0.5.0"))
     assert kwargs == {"accumulate_allreduce_grads_in_fp32": True, "overlap_grad_reduce": False,
@@ -74,7 +57,7 @@ def test_ddp_settings_translate_to_pre_0_7_keyword_arguments() -> None:
 
 @pytest.mark.unit
 def test_ddp_settings_a_release_cannot_honour_raise_or_warn() -> None:
-    with pytest.raises(UnsupportedVersionError, match="num_distributed_optimizer_instances"):
+    with pytest.raises(UnsupportedVersionError, match=r"num_distributed_optimizer_instances.* exists in v >= 0\.10"):
         ddp_config_of(DDPConfig(num_distributed_optimizer_instances=2), Version("0.6.0"))
     with pytest.raises(UnsupportedVersionError, match="DistributedDataParallelConfig"):
         ddp_config_of(DDPConfig(extra={"nccl_ub": True}), Version("0.6.0"))

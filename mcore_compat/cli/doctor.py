@@ -1,4 +1,4 @@
-"""``mcore-compat doctor``: what is installed and what each capability, symbol and patch resolved to."""
+"""``mcore-compat doctor``: what is installed and what each fact, symbol and patch resolved to."""
 
 from __future__ import annotations
 
@@ -10,16 +10,18 @@ import platform
 import sys
 from typing import Any
 
+from ..errors import McoreCompatError
+
 __all__ = ["add_parser", "collect", "render"]
 
 
 def add_parser(sub: Any) -> None:
     """Register the ``doctor`` subcommand."""
-    p = sub.add_parser("doctor", help="show Python/torch/megatron-core/apex/TE, support status, capabilities, "
-                                      "symbols and applicable patches")
+    p = sub.add_parser("doctor", help="show Python/torch/megatron-core/apex/TE, support status, facts "
+                                      "(capabilities and valued facts), symbols and applicable patches")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--probe", action="store_true",
-                   help="also import megatron.core and check every capability row against the real module "
+                   help="also import megatron.core and check every fact row against the real module "
                         "(applies the CPU patches first when no GPU is present)")
     p.add_argument("--expect-version", metavar="V",
                    help="exit with status 1 unless the detected megatron-core is exactly version V")
@@ -85,7 +87,7 @@ def collect(probe: bool = False) -> dict[str, Any]:
         "warnings": list(info.warnings),
     }
     report["support"] = _support(info.version)
-    report["capabilities"] = _capabilities(info.version, probe)
+    report["facts"] = _facts(info.version, probe)
     report["symbols"] = _symbols(info.version)
     report["patches"] = _patches(info.version)
     return report
@@ -100,21 +102,27 @@ def _support(version: Any) -> dict[str, Any]:
     return status.as_dict() if hasattr(status, "as_dict") else dict(vars(status))
 
 
-def _capabilities(version: Any, probe: bool) -> list[dict[str, Any]]:
-    from ..capabilities import capabilities
+def _facts(version: Any, probe: bool) -> list[dict[str, Any]]:
+    """Every fact of the table: its value for ``version`` and, with ``probe``, what the installed code says."""
+    from ..capabilities import facts
 
     rows = []
     if probe:
         problem = _prepare_import()
         if problem:
-            rows.append({"name": "(patches)", "holds": True, "range": "", "probe": f"error: {problem}",
-                         "description": "the patches applied before the probe"})
-    for cap in capabilities():
-        row: dict[str, Any] = {"name": cap.name, "holds": cap.holds_for(version), "range": cap.range(),
-                               "description": cap.description}
+            rows.append({"name": "(patches)", "flag": False, "value": None, "range": "", "source": "",
+                         "probe": f"error: {problem}", "description": "the patches applied before the probe"})
+    for entry in facts():
+        row: dict[str, Any] = {"name": entry.name, "flag": entry.is_flag, "range": entry.range(),
+                               "source": entry.files(), "description": entry.description}
+        try:
+            row["value"] = entry.value_for(version)
+        except McoreCompatError as exc:
+            row["value"] = f"error: {exc}"
         if probe:
             try:
-                row["probe"] = bool(cap.probe())
+                row["probe"] = entry.probe()
+                row["agrees"] = row["probe"] == row["value"]
             except Exception as exc:  # report, don't crash the doctor
                 row["probe"] = f"error: {type(exc).__name__}: {exc}"
         rows.append(row)
@@ -136,10 +144,10 @@ def _prepare_import() -> str | None:
 
 
 def _symbols(version: Any) -> list[dict[str, Any]]:
-    from ..symbols import _table
+    from .._symbol_table import SYMBOLS
 
     rows = []
-    for name, sym in sorted(_table().items()):
+    for name, sym in sorted(SYMBOLS.items()):
         loc = sym.location_for(version)
         rows.append({"name": name, "location": loc.dotted() if loc else None,
                      "available_in": sym.available_in()})
@@ -212,14 +220,19 @@ def render(report: dict[str, Any]) -> str:
     if s:
         out.append(f"support            {s.get('summary', s)}")
     out.append("")
-    out.append("capabilities (table for this version" + (", probe of the real module)" if any(
-        "probe" in c for c in report["capabilities"]) else ")"))
-    for c in report["capabilities"]:
+    rows = report.get("facts", [])
+    out.append("facts (table for this version" + (", probe of the real module)" if any(
+        "probe" in c for c in rows) else ")"))
+    for c in rows:
         probe = ""
-        if "probe" in c:
-            probe = "  probe=" + (str(c["probe"]) if not isinstance(c["probe"], bool) else
-                                  ("agrees" if c["probe"] == c["holds"] else f"DISAGREES ({c['probe']})"))
-        out.append(f"  {'yes' if c['holds'] else 'no ':<4} {c['name']:<40} {c['range']}{probe}")
+        if "agrees" in c:
+            probe = "  probe=" + ("agrees" if c["agrees"] else f"DISAGREES ({c['probe']!r})")
+        elif "probe" in c:
+            probe = f"  probe={c['probe']}"
+        if c["flag"]:
+            out.append(f"  {'yes' if c['value'] is True else 'no ':<4} {c['name']:<40} {c['range']}{probe}")
+        else:
+            out.append(f"  {'=':<4} {c['name']:<40} {c['value']!r}{probe}")
     out.append("")
     out.append("import surface (mcore_compat.<name>)")
     for s_ in report["symbols"]:
@@ -248,9 +261,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: expected megatron-core {args.expect_version}, but {m['version']} is imported from "
               f"{m['path']}", file=sys.stderr)
         return 1
-    if args.probe and any(isinstance(c.get("probe"), bool) and c["probe"] != c["holds"]
-                          for c in report["capabilities"]):
-        print("error: some capability rows disagree with the installed module (see DISAGREES above)",
-              file=sys.stderr)
+    if args.probe and any(c.get("agrees") is False for c in report.get("facts", [])):
+        print("error: some fact rows disagree with the installed module (see DISAGREES above)", file=sys.stderr)
         return 1
     return 0

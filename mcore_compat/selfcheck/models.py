@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..capabilities import capability, has
+from ..detect import detect
 from .options import SelfCheckOptions
 
 __all__ = [
@@ -56,19 +58,13 @@ def _symbols() -> Any:
     return symbols
 
 
-def _has(name: str) -> bool:
-    from ..capabilities import has
-
-    return has(name)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # what a configuration needs from the release
 # ---------------------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class _Requirement:
-    """A configuration feature and the capability (``mcore_compat._capability_table``) it needs."""
+    """A configuration feature and the capability (a boolean fact of ``mcore_compat._fact_table``) it needs."""
 
     feature: str
     applies: Callable[[SelfCheckOptions], bool]
@@ -88,7 +84,7 @@ REQUIREMENTS: tuple[_Requirement, ...] = (
                  "parallel_state.initialize_model_parallel raises 'pipeline-model-parallel size should be "
                  "greater than 2 with interleaved schedule' (> 1 from 0.8)"),
     _Requirement("MoE with gradient clipping on Megatron's optimizer",
-                 lambda o: o.experts > 0 and o.clip_grad > 0 and _has("core_optimizer"),
+                 lambda o: o.experts > 0 and o.clip_grad > 0 and has("core_optimizer"),
                  "chained_optimizer_global_clip", True,
                  "0.6/0.7's ChainedOptimizer clips dense and expert params by separate norms, not by the global "
                  "norm (optimizer/optimizer.py ChainedOptimizer.step), which the self-check reports as a wrong update"),
@@ -108,11 +104,8 @@ REQUIREMENTS: tuple[_Requirement, ...] = (
 
 def unsupported_reason(opts: SelfCheckOptions) -> str | None:
     """``None`` if the installed release can run ``opts`` on a CPU, else one line naming the release limit."""
-    from ..capabilities import capability
-    from ..detect import detect
-
     for req in REQUIREMENTS:
-        if req.applies(opts) and _has(req.capability) != req.holds:
+        if req.applies(opts) and has(req.capability) != req.holds:
             versions = capability(req.capability).versions
             where = f"needs megatron-core {versions}" if req.holds else f"fails on megatron-core {versions}"
             return f"{req.feature}: {where} (installed {detect().version}); {req.why}"
@@ -313,7 +306,7 @@ def build_chunks(opts: SelfCheckOptions) -> tuple[list[Any], Any]:
         return [_finish(_mlp(config), config, opts)], config
     vpp = opts.vpp or 1
     pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    by_argument = _has("gpt_vp_stage")
+    by_argument = has("gpt_vp_stage")
     chunks = []
     for i in range(vpp):
         stage = i if vpp > 1 else None

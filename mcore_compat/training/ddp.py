@@ -1,10 +1,11 @@
 """Wrap model chunks in Megatron's own ``DistributedDataParallel`` on every release (0.4 ... 0.19).
 
 One settings object (:class:`DDPConfig`, or a real ``DistributedDataParallelConfig``, or a dict) and optional
-explicit data-parallel groups are translated into what the installed constructor takes (api-drift B.3):
-keyword arguments and grad buffers (0.4/0.5), keyword arguments with ``ParamAndGradBuffer`` (0.6), a
-``DistributedDataParallelConfig`` plus explicit groups (0.7), groups from ``parallel_state`` (0.8-0.12),
-``GradCommProcessGroups``/``ModelCommProcessGroups`` (0.13/0.14), ``ProcessGroupCollection`` (0.15+).
+explicit data-parallel groups are translated into what the installed constructor takes (the fact ``ddp_ctor``, read from
+``megatron/core/distributed/distributed_data_parallel.py``): keyword arguments and grad buffers (0.4/0.5),
+keyword arguments with ``ParamAndGradBuffer`` (0.6), a ``DistributedDataParallelConfig`` plus explicit groups
+(0.7), groups from ``parallel_state`` (0.8-0.12), ``GradCommProcessGroups``/``ModelCommProcessGroups``
+(0.13/0.14), ``ProcessGroupCollection`` (0.15+).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Any
 
 from packaging.version import Version
 
+from .._fact_table import DDP_SETTINGS
+from ..capabilities import fact, fact_row, has
 from ..errors import UnsupportedVersionError
-from . import _tables as T
 from ._common import (
     as_chunk_list,
     config_items,
@@ -35,6 +37,26 @@ __all__ = ["DDPConfig", "ddp_config_of", "wrap_ddp", "zero_grad_buffer"]
 
 _BUCKET_SIZE_V4 = 40_000_000  # the 0.4-0.6 constructor default
 _FIELD_ALIASES = {"accumulate_allreduce_grads_in_fp32": "grad_reduce_in_fp32"}
+
+#: What to do with a non-default DDPConfig setting the installed release does not honour (fact
+#: ``ddp_settings``): "warn" = only speed/overlap or float rounding differ, "raise" = ignoring it would change
+#: results. Settings every release has are not listed.
+_IF_MISSING: dict[str, str] = {
+    "check_for_nan_in_grad": "warn",
+    "average_in_collective": "warn",  # AVG in the collective vs pre-division: same value up to rounding
+    "overlap_param_gather": "warn",
+    "align_param_gather": "warn",
+    "num_distributed_optimizer_instances": "raise",
+}
+
+#: Where the DDP's data-parallel group comes from, per constructor style (fact ``ddp_ctor``):
+#:  "ctor" = constructor argument (honoured); "parallel_state" = read from parallel_state, cannot be overridden
+#:  (an explicit group must equal it); "comm_pgs" = GradCommProcessGroups/ModelCommProcessGroups (honoured);
+#:  "pg_collection" = ProcessGroupCollection (honoured).
+_GROUP_SOURCE: dict[str, str] = {
+    "kwargs_v4": "ctor", "kwargs_v6": "ctor", "ddpcfg_group": "ctor", "ddpcfg": "parallel_state",
+    "ddpcfg_pgs": "comm_pgs", "ddpcfg_pgc": "pg_collection",
+}
 
 
 @dataclass
@@ -99,18 +121,28 @@ def _megatron_ddp_config_class() -> Any:
     return mcore("distributed.distributed_data_parallel_config").DistributedDataParallelConfig
 
 
+def _releases_with(setting: str) -> str:
+    """The releases that honour DDP setting ``setting`` (for messages)."""
+
+    def takes_it(names: tuple[str, ...]) -> bool:
+        return setting in names
+
+    return fact_row("ddp_settings").where(takes_it)
+
+
 def _check_missing_fields(cfg: DDPConfig, version: Version) -> dict[str, Any]:
     """The DDPConfig fields the installed release has; the others are dropped, warned about or refused."""
     keep: dict[str, Any] = {}
     defaults = DDPConfig()
-    for name, since in T.DDP_FIELD_SINCE.items():
+    honoured = fact("ddp_settings", version)
+    for name in DDP_SETTINGS:
         value = getattr(cfg, name)
-        if version >= Version(since):
+        if name in honoured:
             keep[name] = value
         else:
             drop_or_raise(name, value, getattr(defaults, name), version,
-                          harmful=T.DDP_FIELD_IF_MISSING.get(name) == "raise",
-                          why=f"DistributedDataParallelConfig.{name} exists from {since}")
+                          harmful=_IF_MISSING.get(name) == "raise",
+                          why=f"DistributedDataParallelConfig.{name} exists in {_releases_with(name)}")
     return keep
 
 
@@ -136,7 +168,7 @@ def ddp_config_of(ddp_config: Any, version: Version | None = None) -> Any:
     ``bucket_size``), anything else goes through :class:`DDPConfig`.
     """
     version = version or installed_version()
-    style = T.lookup(T.DDP_CTOR, version, "DistributedDataParallel constructor")
+    style = fact("ddp_ctor", version)
     if style.startswith("kwargs"):
         cfg = DDPConfig.from_any(ddp_config)
         if cfg.extra:
@@ -213,7 +245,8 @@ def _pg_collection_with(dp_group: Any, expert_group: Any) -> Any:
 
 def _group_kwargs(version: Version, dp_group: Any, expert_group: Any, pg_collection: Any,
                   num_instances: int) -> dict[str, Any]:
-    source = T.lookup(T.DDP_GROUP_SOURCE, version, "DDP data-parallel group")
+    style = fact("ddp_ctor", version)
+    source = _GROUP_SOURCE[style]
     if pg_collection is not None:
         if source != "pg_collection":
             raise UnsupportedVersionError(f"`pg_collection` needs megatron-core 0.15+; installed {version}. Pass "
@@ -223,7 +256,6 @@ def _group_kwargs(version: Version, dp_group: Any, expert_group: Any, pg_collect
         return {"pg_collection": pg_collection}
     dp_group, expert_group = _explicit_groups(version, dp_group, expert_group)
     if source == "ctor":
-        style = T.lookup(T.DDP_CTOR, version, "DistributedDataParallel constructor")
         out = {"data_parallel_group": dp_group if dp_group is not None else default_dp_group()}
         if style == "kwargs_v4":
             if expert_group is not None:
@@ -292,7 +324,7 @@ def wrap_ddp(
              else [bool(f) for f in disable_bucketing])
     if len(flags) != len(chunks):
         raise ValueError(f"disable_bucketing has {len(flags)} entries for {len(chunks)} model chunks")
-    style = T.lookup(T.DDP_CTOR, version, "DistributedDataParallel constructor")
+    style = fact("ddp_ctor", version)
     cls = mcore("distributed.distributed_data_parallel").DistributedDataParallel
     ddp_config, optimizer_gathers = _param_gather_request(ddp_config, version)
     num_instances = int(getattr(ddp_config, "num_distributed_optimizer_instances", None)
@@ -314,12 +346,12 @@ def wrap_ddp(
 def _param_gather_request(ddp_config: Any, version: Version) -> tuple[Any, bool]:
     """``(settings for DDP, whether the optimizer must overlap the param gather)``.
 
-    Where the distributed optimizer, not DDP, owns the parameter all-gather (0.6-0.8,
-    ``_tables.PARAM_GATHER_OVERLAP``), ``overlap_param_gather`` is not a DDP setting: it is taken out of the DDP
+    Where the distributed optimizer, not DDP, owns the parameter all-gather (0.6-0.8, the fact
+    ``param_gather_owner``), ``overlap_param_gather`` is not a DDP setting: it is taken out of the DDP
     settings and remembered on the wrapped chunks, for :func:`~mcore_compat.training.get_megatron_optimizer` to
     set on the ``OptimizerConfig``.
     """
-    if T.lookup(T.PARAM_GATHER_OVERLAP, version, "overlapped param all-gather") != "optimizer":
+    if fact("param_gather_owner", version) != "optimizer":
         return ddp_config, False
     request = DDPConfig.from_any(ddp_config)
     if not (request.overlap_param_gather and request.use_distributed_optimizer):
@@ -334,7 +366,7 @@ def zero_grad_buffer(model_chunks: Any, optimizer: Any = None, *, set_to_none: b
     Megatron DDP (plain modules) get ``module.zero_grad()``.
     """
     version = installed_version()
-    takes_arg = T.lookup(T.ZERO_GRAD_BUFFER_TAKES_ARG, version, "zero_grad_buffer")
+    takes_arg = has("zero_grad_buffer_arg", version)
     chunks, _ = as_chunk_list(model_chunks)
     for chunk in chunks:
         if hasattr(chunk, "zero_grad_buffer"):

@@ -2,7 +2,7 @@
 
 Megatron-Core never sets these hooks itself (Megatron-LM's ``training.py`` does); when
 ``config.finalize_model_grads_func`` is ``None`` the schedules silently skip the data-parallel gradient
-reduction (api-drift section E). :func:`install_training_hooks` sets them on the config object the model
+reduction (``megatron/core/pipeline_parallel/schedules.py``, every release). :func:`install_training_hooks` sets them on the config object the model
 really uses and :func:`check_training_hooks` refuses to train without them.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..capabilities import fact
 from ..errors import McoreCompatError, UnsupportedVersionError
-from . import _tables as T
 from ._common import as_chunk_list, installed_version, mcore, model_config, unique
 from .param_sync import overlaps_param_gather
 
@@ -46,7 +46,7 @@ def finalize_model_grads(model: Any, num_tokens: Any = None, **kwargs: Any) -> N
             ``force_all_reduce`` (0.16+). Values the release cannot take raise if not their default.
     """
     version = installed_version()
-    accepted = T.lookup(T.FINALIZE_PARAMS, version, "finalize_model_grads")
+    accepted = fact("finalize_params", version)
     chunks, _ = as_chunk_list(model)
     call: dict[str, Any] = {}
     if num_tokens is not None:
@@ -136,7 +136,7 @@ def install_training_hooks(
             if align_grad_reduce:
                 cfg.grad_sync_func = one_or_list([c.start_grad_sync for c in chunks])
         if overlap_param and align_param_gather:
-            if T.lookup(T.PARAM_GATHER_OVERLAP, version, "param sync owner") == "ddp":
+            if fact("param_gather_owner", version) == "ddp":
                 cfg.param_sync_func = one_or_list([c.start_param_sync for c in chunks])
             elif optimizer is not None and hasattr(optimizer, "finish_param_sync"):
                 cfg.param_sync_func = one_or_list(

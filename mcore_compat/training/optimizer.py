@@ -1,8 +1,9 @@
 """One ``get_megatron_optimizer`` signature over every release, and ``optimizer_step``.
 
-The call is mapped onto the installed public builder (api-drift B.1) or, when the public builder cannot express
-it (``per_model_buffers``, explicit data-parallel groups, an instance id), onto the private
-``_get_megatron_optimizer_based_on_param_groups`` (its arguments drift at 0.8, 0.9, 0.10, 0.15, 0.16, 0.18).
+The call is mapped onto the installed public builder (fact ``public_builder_params``, read from
+``megatron/core/optimizer/__init__.py``) or, when the public builder cannot express it (``per_model_buffers``,
+explicit data-parallel groups, an instance id), onto the private ``_get_megatron_optimizer_based_on_param_groups``
+(fact ``private_builder_params``: its arguments drift at 0.8, 0.9, 0.10, 0.15, 0.16, 0.18).
 Releases 0.4/0.5 have no ``megatron.core.optimizer``; they are served by
 ``mcore_compat.legacy_optimizer.build_legacy_optimizer``.
 """
@@ -18,9 +19,9 @@ from typing import Any
 
 from packaging.version import Version
 
+from ..capabilities import fact, has
 from ..errors import UnsupportedVersionError
 from ..rank0 import warn_once_rank_0
-from . import _tables as T
 from ._common import (
     as_chunk_list,
     config_items,
@@ -89,6 +90,27 @@ class OptimConfig:
         return cls(**{k: v for k, v in items.items() if k in own}, extra=extra)
 
 
+#: Fields of OptimizerConfig that moved or vanished, with what to do when a caller sets them to a non-default
+#: value in a release that lacks them ("warn": no effect on the result of a step; "raise": it would change it;
+#: unlisted fields raise). The installed class's fields are read from the class itself.
+_OPT_IF_MISSING: dict[str, str] = {
+    "overlap_grad_reduce": "warn",  # DistributedDataParallelConfig's from 0.7 (optimizer_config.py until 0.9)
+    "overlap_param_gather": "warn",  # idem (absent from OptimizerConfig 0.10-0.13)
+    "overlap_param_gather_with_optimizer_step": "warn",
+    "decoupled_weight_decay": "raise",  # < 0.15: always AdamW (decoupled); Adam-with-L2 cannot be expressed
+    "log_num_zeros_in_grad": "warn",
+    "barrier_with_L1_time": "warn",
+}
+
+
+def _core_params(name: str, version: Version) -> tuple[str, ...]:
+    """The parameter list fact ``name`` of megatron.core.optimizer (``None`` in its rows where there is none)."""
+    params = fact(name, version)
+    if params is None:
+        raise UnsupportedVersionError(f"megatron-core {version} has no megatron.core.optimizer ({name})")
+    return tuple(params)
+
+
 def _megatron_optimizer_config_class() -> Any:
     return mcore("optimizer.optimizer_config").OptimizerConfig
 
@@ -116,7 +138,7 @@ def optimizer_config_of(config: Any, version: Version | None = None) -> Any:
             kwargs[f.name] = value
         else:
             drop_or_raise(f.name, value, getattr(defaults, f.name), version,
-                          harmful=T.OPT_FIELD_IF_MISSING.get(f.name, "raise") == "raise",
+                          harmful=_OPT_IF_MISSING.get(f.name, "raise") == "raise",
                           why=f"OptimizerConfig of this release has no field {f.name!r}")
     unknown = sorted(set(cfg.extra) - names)
     if unknown:
@@ -159,7 +181,7 @@ def _conds_to_overrides(config: Any, no_weight_decay_cond: Callable | None, scal
 # ----------------------------------------------------------------------------------------------------------------
 
 def _public(version: Version, config: Any, chunks: list[Any], a: dict[str, Any]) -> Any:
-    accepted = T.lookup(T.PUBLIC_BUILDER_PARAMS, version, "get_megatron_optimizer")
+    accepted = _core_params("public_builder_params", version)
     kwargs: dict[str, Any] = {}
     if "no_weight_decay_cond" in accepted:
         if a["config_overrides"] is not None:
@@ -200,7 +222,7 @@ def _public(version: Version, config: Any, chunks: list[Any], a: dict[str, Any])
 
 def _param_groups(version: Version, config: Any, chunks: list[Any], a: dict[str, Any]) -> list[dict]:
     opt = mcore("optimizer")
-    style = T.lookup(T.PARAM_GROUPS_STYLE, version, "_get_param_groups")
+    style = fact("param_groups_style", version)
     if style == "v16":
         overrides = a["config_overrides"]
         if overrides is None and (a["no_weight_decay_cond"] is not None or a["scale_lr_cond"] is not None):
@@ -215,7 +237,7 @@ def _param_groups(version: Version, config: Any, chunks: list[Any], a: dict[str,
             groups, lr=config.lr, min_lr=config.min_lr, decoupled_lr=config.decoupled_lr,
             decoupled_min_lr=config.decoupled_min_lr)
     extra = {}
-    if T.lookup(T.PARAM_GROUPS_SKIP_EMBEDDING_WD, version, "_get_param_groups"):
+    if has("param_groups_skip_embedding_wd", version):
         extra["default_skip_embedding_weight_decay"] = a["default_skip_embedding_weight_decay"]
     else:
         drop_or_raise("default_skip_embedding_weight_decay", a["default_skip_embedding_weight_decay"], False,
@@ -229,7 +251,7 @@ def _private(version: Version, config: Any, chunks: list[Any], a: dict[str, Any]
     import torch.distributed as dist
 
     ps = parallel_state()
-    accepted = set(T.lookup(T.PRIVATE_BUILDER_PARAMS, version, "_get_megatron_optimizer_based_on_param_groups"))
+    accepted = set(_core_params("private_builder_params", version))
     groups = _param_groups(version, config, chunks, a)
     if any(g["is_expert_parallel"] and g["params"] for g in groups):
         raise UnsupportedVersionError(
@@ -282,9 +304,11 @@ def _grad_stats_group(version: Version, dp_group: Any, mp_group: Any, explicit_d
     import torch.distributed as dist
 
     ps = parallel_state()
-    passable = T.lookup(T.DISTOPT_GRAD_STATS_GROUP_PARAM, version, "grad stats group")
+    # The grad-stats group can be passed to the private builder (intra_dist_opt_group) from 0.15; before it is
+    # the whole world (0.6-0.12) or parallel_state's intra-instance group (0.13-0.14).
+    passable = "intra_dist_opt_group" in accepted
     if not explicit_dp:
-        if passable and "intra_dist_opt_group" in accepted:
+        if passable:
             return {"intra_dist_opt_group": ps.get_intra_distributed_optimizer_instance_group()}
         return {}
     dp_size, mp_size = dist.get_world_size(dp_group), dist.get_world_size(mp_group)
@@ -417,7 +441,7 @@ def get_megatron_optimizer(
                 use_gloo_process_groups=use_gloo_process_groups,
                 default_skip_embedding_weight_decay=default_skip_embedding_weight_decay,
                 pg_collection=pg_collection)
-    if T.lookup(T.OPTIMIZER_SOURCE, version, "optimizer") == "legacy":
+    if not has("core_optimizer", version):
         return _legacy(version, config, chunks, args)
     cfg = _with_param_gather_overlap(optimizer_config_of(config, version), chunks)
     needs_private = (per_model_buffers is not None or data_parallel_group_gloo is not None

@@ -3,15 +3,16 @@
 With ``overlap_param_gather`` the optimizer step updates only this rank's shard of every parameter buffer; the
 all-gather that brings every rank's parameters up to date is dispatched and waited for by forward pre-hooks
 during the next forward pass. Between steps (to read, check, save or hand off the weights) the gather has to be
-finished explicitly. Who owns it drifted (``_tables.PARAM_GATHER_OVERLAP``): the DistributedOptimizer with a
-process-wide module pre-hook on 0.6-0.8, DDP with per-module pre-hooks from 0.9.
+finished explicitly. Who owns it drifted (the fact ``param_gather_owner``): the DistributedOptimizer with a
+process-wide module pre-hook on 0.6-0.8 (``megatron/core/optimizer/distrib_optimizer.py``), DDP with per-module
+pre-hooks from 0.9 (``megatron/core/distributed/distributed_data_parallel.py``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import _tables as T
+from ..capabilities import fact
 from ._common import as_chunk_list, installed_version
 
 __all__ = ["finish_param_sync", "overlaps_param_gather"]
@@ -55,7 +56,7 @@ def finish_param_sync(model_chunks: Any, optimizer: Any = None, *, keep_overlap:
     chunks, _ = as_chunk_list(model_chunks)
     if not any(overlaps_param_gather(c) for c in chunks):
         return False
-    owner = T.lookup(T.PARAM_GATHER_OVERLAP, installed_version(), "overlapped param all-gather")
+    owner = fact("param_gather_owner", installed_version())
     if owner == "ddp":
         for chunk in chunks:
             if not overlaps_param_gather(chunk):

@@ -1,13 +1,17 @@
-"""``forward_backward``: Megatron's forward/backward schedules with one argument list on every release (B.7)."""
+"""``forward_backward``: Megatron's forward/backward schedules with one argument list on every release.
+
+The argument lists drift in ``megatron/core/pipeline_parallel/schedules.py`` (facts ``get_fwd_bwd_params``,
+``schedule_extra_params``, ``interleaved_reads_config_vpp``).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..capabilities import fact, has
 from ..errors import UnsupportedVersionError
 from ..rank0 import warn_once_rank_0
-from . import _tables as T
 from ._common import as_chunk_list, installed_version, mcore, model_config
 
 __all__ = ["forward_backward", "get_forward_backward_func"]
@@ -32,7 +36,7 @@ def _check_virtual_stages(chunks: list[Any], data_iterator: Any, vp_size: int | 
                          f"virtual_pipeline_model_parallel_size=...) or vp_size=); they must be equal")
     for cfg in {id(c): c for c in (model_config(chunk) for chunk in chunks)}.values():
         current = getattr(cfg, "virtual_pipeline_model_parallel_size", None)
-        if current is None and T.lookup(T.INTERLEAVED_READS_CONFIG_VPP, version, "interleaved schedule"):
+        if current is None and has("interleaved_reads_config_vpp", version):
             cfg.virtual_pipeline_model_parallel_size = n
         elif current is not None and current != n:
             raise ValueError(f"config.virtual_pipeline_model_parallel_size = {current} but there are {n} model "
@@ -42,7 +46,7 @@ def _check_virtual_stages(chunks: list[Any], data_iterator: Any, vp_size: int | 
 def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None) -> Callable[..., Any]:
     """Megatron's schedule for the given (default: parallel_state's) pipeline / virtual-pipeline sizes."""
     version = installed_version()
-    accepted = T.lookup(T.GET_FWD_BWD_PARAMS, version, "get_forward_backward_func")
+    accepted = fact("get_fwd_bwd_params", version)
     fn = mcore("pipeline_parallel.schedules").get_forward_backward_func
     if "pp_size" in accepted:
         return fn(pp_size=pp_size, vp_size=vp_size)
@@ -131,7 +135,7 @@ def forward_backward(
         forward_only=forward_only,
         collect_non_loss_data=collect_non_loss_data,
     )
-    extras = set(T.lookup(T.SCHEDULE_EXTRA_PARAMS, version, "forward_backward schedule"))
+    extras = set(fact("schedule_extra_params", version))
     if first_val_step is not None:
         schedule_kwargs["first_val_step"] = first_val_step
     for name, value in schedule_kwargs.items():
