@@ -25,6 +25,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ..errors import MegatronNotFoundError
+
 #: Fields of the syntax tree that are not code: left out of the fingerprint (``type_params`` is always empty in
 #: Megatron's code but only exists on Python >= 3.12).
 _IGNORED_FIELDS = frozenset({"ctx", "type_comment", "kind", "type_params"})
@@ -109,7 +111,7 @@ def fingerprint(source: str | None, qualname: str | None) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------- the installed code
-class _NotInstalled(Exception):
+class _NotInstalled(MegatronNotFoundError):
     """No megatron-core on ``sys.path``: nothing to compare yet."""
 
 
@@ -123,7 +125,6 @@ def _installed_source(module: str) -> tuple[str | None, str]:
     if loaded is not None and getattr(loaded, "__file__", None):
         return _read(Path(loaded.__file__)), str(loaded.__file__)
     from ..detect import _locate_core_dir
-    from ..errors import MegatronNotFoundError
 
     try:
         core = _locate_core_dir()
