@@ -29,11 +29,12 @@ from mcore_compat.layout import (
     compute_layout,
     layout_fact,
 )
+from mcore_compat.support import releases
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
-RELEASES = ("0.4.0 0.5.0 0.6.0 0.7.0 0.8.0 0.9.0 0.10.0 0.11.0 0.12.0 0.12.3 0.13.0 0.13.1 0.14.0 0.15.0 0.15.3 "
-            "0.16.0 0.16.1 0.17.0 0.17.1 0.18.0 0.18.2 0.19.0 0.19.2").split()
+#: The supported releases (matrix/versions.toml).
+RELEASES = [str(r.version) for r in releases()]
 
 #: The model of api-drift.md C.5, in named_parameters() order.
 C5 = (

@@ -24,12 +24,13 @@ from packaging.version import Version
 
 from mcore_compat._ranges import in_range
 from mcore_compat.errors import UnsupportedVersionError
+from mcore_compat.support import releases
 from mcore_compat.training import _tables as T
 from mcore_compat.training.ddp import DDPConfig, ddp_config_of
 from mcore_compat.training.optimizer import OptimConfig
 
-RELEASES = ("0.4.0 0.5.0 0.6.0 0.7.0 0.8.0 0.9.0 0.10.0 0.11.0 0.12.0 0.12.3 0.13.0 0.13.1 0.14.0 0.15.0 0.15.3 "
-            "0.16.0 0.16.1 0.17.0 0.17.1 0.18.0 0.18.2 0.19.0 0.19.2").split()
+#: The supported releases (matrix/versions.toml).
+RELEASES = [str(r.version) for r in releases()]
 CASES = [c.name for c in SCENARIOS.cases() if c.hooks]
 DP2_CASES = [c.name for c in SCENARIOS.cases() if c.hooks and c.dp == 2]
 
