@@ -1,7 +1,8 @@
 """Wrap model chunks in Megatron's own ``DistributedDataParallel`` on every release (0.4 ... 0.19).
 
 One settings object (:class:`DDPConfig`, or a real ``DistributedDataParallelConfig``, or a dict) and optional
-explicit data-parallel groups are translated into what the installed constructor takes (api-drift B.3):
+explicit data-parallel groups are translated into what the installed constructor takes
+(``DistributedDataParallel.__init__`` in ``megatron/core/distributed/distributed_data_parallel.py``):
 keyword arguments and grad buffers (0.4/0.5), keyword arguments with ``ParamAndGradBuffer`` (0.6), a
 ``DistributedDataParallelConfig`` plus explicit groups (0.7), groups from ``parallel_state`` (0.8-0.12),
 ``GradCommProcessGroups``/``ModelCommProcessGroups`` (0.13/0.14), ``ProcessGroupCollection`` (0.15+).

@@ -2,7 +2,7 @@
 
 Megatron-Core never sets these hooks itself (Megatron-LM's ``training.py`` does); when
 ``config.finalize_model_grads_func`` is ``None`` the schedules silently skip the data-parallel gradient
-reduction (api-drift section E). :func:`install_training_hooks` sets them on the config object the model
+reduction (``megatron/core/pipeline_parallel/schedules.py``, every release 0.4.0-0.19.2). :func:`install_training_hooks` sets them on the config object the model
 really uses and :func:`check_training_hooks` refuses to train without them.
 """
 

@@ -1,6 +1,7 @@
 """One ``get_megatron_optimizer`` signature over every release, and ``optimizer_step``.
 
-The call is mapped onto the installed public builder (api-drift B.1) or, when the public builder cannot express
+The call is mapped onto the installed public builder (``get_megatron_optimizer`` in
+``megatron/core/optimizer/__init__.py``) or, when the public builder cannot express
 it (``per_model_buffers``, explicit data-parallel groups, an instance id), onto the private
 ``_get_megatron_optimizer_based_on_param_groups`` (its arguments drift at 0.8, 0.9, 0.10, 0.15, 0.16, 0.18).
 Releases 0.4/0.5 have no ``megatron.core.optimizer``; they are served by

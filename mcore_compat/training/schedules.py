@@ -1,4 +1,5 @@
-"""``forward_backward``: Megatron's forward/backward schedules with one argument list on every release (B.7)."""
+"""``forward_backward``: Megatron's forward/backward schedules with one argument list on every release
+(the functions ``get_forward_backward_func`` of ``megatron/core/pipeline_parallel/schedules.py`` returns)."""
 
 from __future__ import annotations
 
