@@ -1,4 +1,4 @@
-"""The training-step API (issue 3) against the installed megatron-core: one step through mcore_compat equals plain
+"""The training-step API against the installed megatron-core: one step through mcore_compat equals plain
 PyTorch.
 
 ONE module-scoped ``run_all`` on the session's 2 gloo ranks (``rank_group``) runs every configuration (tests/_training_scenarios.py) in one gloo group;
