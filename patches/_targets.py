@@ -121,9 +121,9 @@ def _installed_source(module: str) -> tuple[str | None, str]:
     Raises:
         _NotInstalled: no megatron-core is installed at all.
     """
-    loaded = sys.modules.get(module)
-    if loaded is not None and getattr(loaded, "__file__", None):
-        return _read(Path(loaded.__file__)), str(loaded.__file__)
+    loaded = getattr(sys.modules.get(module), "__file__", None)
+    if loaded:
+        return _read(Path(loaded)), str(loaded)
     from ..detect import _locate_core_dir
 
     try:
@@ -191,7 +191,8 @@ def refusal(name: str, targets: Iterable[str], version: Any,
 def loaded_refusal(name: str, targets: Iterable[str], module: ModuleType, version: Any,
                    table: Mapping[str, Mapping[str, str | None]]) -> str | None:
     """:func:`refusal` for the targets in ``module``, read from the file the module was loaded from."""
-    source = _read(Path(module.__file__)) if getattr(module, "__file__", None) else None
+    file = getattr(module, "__file__", None)
+    source = _read(Path(file)) if file else None
     for target in targets:
         mod, qualname = split_target(target)
         if mod != module.__name__:
