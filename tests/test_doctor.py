@@ -58,12 +58,12 @@ def _release_version(core: Path) -> str:
     return f"{fields['MAJOR']}.{fields['MINOR']}.{fields['PATCH']}{fields.get('PRE_RELEASE', '')}"
 
 
-def _has_metadata() -> bool:
+def _distribution_name() -> str | None:
+    """The name megatron-core's distribution metadata gives (``None``: the release has no metadata)."""
     try:
-        md.distribution("megatron-core")
+        return str(md.distribution("megatron-core").metadata["Name"])
     except md.PackageNotFoundError:
-        return False
-    return True
+        return None
 
 
 def _listed(version: str) -> bool:
@@ -120,8 +120,8 @@ def test_doctor_names_the_installed_release(text_run: subprocess.CompletedProces
     assert f"mcore-compat {mcore_compat.__version__}" in " ".join(lines[0].split())
     [mcore] = [line for line in lines if line.startswith("megatron-core")]
     assert mcore.split()[1] == version, mcore
-    assert ("distribution megatron-core" in mcore) == _has_metadata(), mcore
-    assert ("source checkout (no metadata)" in mcore) != _has_metadata(), mcore
+    name = _distribution_name()
+    assert (f"distribution {name}" in mcore) if name else ("source checkout (no metadata)" in mcore), mcore
     [where] = [line for line in lines if line.strip().startswith("imported from")]
     assert Path(where.split("imported from", 1)[1].strip()) == core.resolve()
     [support] = [line for line in lines if line.startswith("support")]
@@ -151,7 +151,7 @@ def test_doctor_json_is_the_same_report(json_run: subprocess.CompletedProcess[st
     assert report["mcore_compat"] == mcore_compat.__version__
     m = report["megatron_core"]
     assert m["found"] is True and m["version"] == version and Path(m["path"]) == core.resolve()
-    assert m["checkout"] is not _has_metadata()
+    assert m["checkout"] is (_distribution_name() is None) and m["distribution"] == _distribution_name()
     assert report["support"]["listed"] is _listed(version)
     assert {c["name"]: c["holds"] for c in report["capabilities"]} == {
         c.name: c.holds_for(Version(version)) for c in capabilities()}
