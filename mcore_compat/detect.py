@@ -78,9 +78,9 @@ class MegatronInfo:
 
 
 def _locate_core_dir() -> Path:
-    mod = sys.modules.get("megatron.core")
-    if mod is not None and getattr(mod, "__file__", None):
-        return Path(mod.__file__).resolve().parent
+    loaded = getattr(sys.modules.get("megatron.core"), "__file__", None)
+    if loaded:
+        return Path(loaded).resolve().parent
     try:
         spec = importlib.util.find_spec("megatron.core")
     except (ImportError, ValueError) as exc:  # megatron missing, or a broken namespace package
@@ -144,7 +144,7 @@ def _owning_distribution(core_dir: Path) -> md.Distribution | None:
     dists += [md.PathDistribution(p) for p in sorted(site.glob("*megatron*.dist-info"))]
     for dist in dists:
         try:
-            located = Path(dist.locate_file("megatron/core/__init__.py")).resolve()
+            located = Path(str(dist.locate_file("megatron/core/__init__.py"))).resolve()
         except Exception:
             continue
         if located == init:

@@ -27,13 +27,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from .errors import McoreCompatError
+
 __all__ = ["Group", "RankFailure", "RankTimeout", "default_backend", "destroy_process_groups_since", "free_port",
            "init_from_env", "process_groups", "spawn"]
 
 T = TypeVar("T")
 
 
-class RankFailure(RuntimeError):
+class RankFailure(McoreCompatError, RuntimeError):
     """One or more ranks raised or died. ``failures`` maps rank -> traceback text (or exit status)."""
 
     def __init__(self, failures: dict[int, str]) -> None:
@@ -45,7 +47,7 @@ class RankFailure(RuntimeError):
         super().__init__(f"rank(s) {ranks} failed: {cause}\n--- rank {first} ---\n{self.failures[first]}")
 
 
-class RankTimeout(RuntimeError):
+class RankTimeout(McoreCompatError, RuntimeError):
     """Ranks did not finish within the deadline. ``ranks`` lists those that never answered."""
 
     def __init__(self, ranks: Sequence[int], timeout: float) -> None:

@@ -386,6 +386,7 @@ class LegacyOptimizer:
             piece = bucket.numel // world
             offsets = {p: off for p, off in bucket.params}
             for slot in owned:
+                assert slot.start is not None  # an owned slot is a shard of its param
                 start = offsets[slot.model_param] + slot.start
                 flat[start : start + slot.main.numel()].copy_(slot.main)
             if world > 1:

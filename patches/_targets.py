@@ -25,6 +25,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ..errors import MegatronNotFoundError
+
 #: Fields of the syntax tree that are not code: left out of the fingerprint (``type_params`` is always empty in
 #: Megatron's code but only exists on Python >= 3.12).
 _IGNORED_FIELDS = frozenset({"ctx", "type_comment", "kind", "type_params"})
@@ -109,7 +111,7 @@ def fingerprint(source: str | None, qualname: str | None) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------- the installed code
-class _NotInstalled(Exception):
+class _NotInstalled(MegatronNotFoundError):
     """No megatron-core on ``sys.path``: nothing to compare yet."""
 
 
@@ -119,11 +121,10 @@ def _installed_source(module: str) -> tuple[str | None, str]:
     Raises:
         _NotInstalled: no megatron-core is installed at all.
     """
-    loaded = sys.modules.get(module)
-    if loaded is not None and getattr(loaded, "__file__", None):
-        return _read(Path(loaded.__file__)), str(loaded.__file__)
+    loaded = getattr(sys.modules.get(module), "__file__", None)
+    if loaded:
+        return _read(Path(loaded)), str(loaded)
     from ..detect import _locate_core_dir
-    from ..errors import MegatronNotFoundError
 
     try:
         core = _locate_core_dir()
@@ -190,7 +191,8 @@ def refusal(name: str, targets: Iterable[str], version: Any,
 def loaded_refusal(name: str, targets: Iterable[str], module: ModuleType, version: Any,
                    table: Mapping[str, Mapping[str, str | None]]) -> str | None:
     """:func:`refusal` for the targets in ``module``, read from the file the module was loaded from."""
-    source = _read(Path(module.__file__)) if getattr(module, "__file__", None) else None
+    file = getattr(module, "__file__", None)
+    source = _read(Path(file)) if file else None
     for target in targets:
         mod, qualname = split_target(target)
         if mod != module.__name__:

@@ -23,7 +23,7 @@ import importlib.metadata
 import importlib.util
 import re
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -171,11 +171,11 @@ def _apex_modules() -> list[Any]:
         MultiTensorApply=MultiTensorApply,
         multi_tensor_applier=MultiTensorApply(2048 * 32),
     )
-    norm = new_module("apex.normalization", package=True, doc=doc)
+    norm = new_module("apex.normalization", package=True, doc=doc,
+                      FusedLayerNormAffineFunction=FusedLayerNormAffineFunction)
     fln = new_module(
         "apex.normalization.fused_layer_norm", doc=doc, FusedLayerNormAffineFunction=FusedLayerNormAffineFunction
     )
-    norm.FusedLayerNormAffineFunction = FusedLayerNormAffineFunction
     mods = [apex, optimizers, mta, norm, fln]
     if not _importable("amp_C"):
         mods.append(
@@ -243,7 +243,7 @@ class _TENorm(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
         for p in self.parameters():
-            p.sequence_parallel = sequence_parallel
+            setattr(p, "sequence_parallel", sequence_parallel)  # Megatron's parameter flag
 
     def _gamma(self) -> torch.Tensor:
         return self.weight + 1 if self.zero_centered_gamma else self.weight
@@ -268,15 +268,22 @@ class TERMSNorm(_TENorm):
         return out.to(x.dtype) * self._gamma()
 
 
-def _inert(qualname: str) -> type:
+def _refusing_init(qualname: str) -> Callable[..., None]:
+    """An ``__init__`` that says ``qualname`` is not part of the TransformerEngine stand-in."""
+
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError(
             f"{qualname} is not available: transformer_engine is mcore-compat's stand-in (te_stub), which only "
             f"provides LayerNorm/RMSNorm. Use the local (non-TE) layer spec, or install TransformerEngine."
         )
 
+    return __init__
+
+
+def _inert(qualname: str) -> type:
     name = qualname.rsplit(".", 1)[1]
-    return type(name, (torch.nn.Module,), {"__init__": __init__, "__module__": qualname.rsplit(".", 1)[0]})
+    return type(name, (torch.nn.Module,), {"__init__": _refusing_init(qualname),
+                                           "__module__": qualname.rsplit(".", 1)[0]})
 
 
 _TE_DIST = "transformer-engine"
@@ -331,7 +338,7 @@ def _te_modules() -> list[Any]:
         DelayedScaling=type(
             "DelayedScaling",
             (),
-            {"__init__": _inert("transformer_engine.common.recipe.DelayedScaling").__init__},
+            {"__init__": _refusing_init("transformer_engine.common.recipe.DelayedScaling")},
         ),
     )
     return [te, pt, common, recipe]

@@ -24,7 +24,8 @@ BucketSizeArg = Union[int, None, type(DEFAULT_BUCKET_SIZE)]
 #: "tie:<name>" (the same Parameter object as <name>, so it is listed once by named_parameters()).
 ParamRow = tuple[str, tuple[int, ...], str, tuple[str, ...]]
 
-#: The model of api-drift.md C.5 (odd sizes, a frozen param, an fp32 param and an expert param).
+#: The worked-example model ``C5`` of tests/test_layout.py (odd sizes, a frozen param, an fp32 param and an expert
+#: param).
 _C5: tuple[ParamRow, ...] = (
     ("embedding.weight", (50, 16), "bfloat16", ()),
     ("ln.weight", (16,), "bfloat16", ()),
@@ -148,7 +149,8 @@ CASES: tuple[LayoutCase, ...] = _cases()
 # Inside a rank.
 # --------------------------------------------------------------------------------------------------------------
 
-#: How DDP is constructed (api-drift.md B.3): positional flags (0.4-0.6), a DDP config plus explicit groups (0.7),
+#: How DDP is constructed (``DistributedDataParallel.__init__`` in
+#: ``megatron/core/distributed/distributed_data_parallel.py``): positional flags (0.4-0.6), a DDP config plus explicit groups (0.7),
 #: a DDP config with groups from parallel_state (0.8+).
 _DDP_STYLE: tuple[tuple[str, str], ...] = ((">=0.4,<0.7", "flags"), (">=0.7,<0.8", "config_and_groups"),
                                            (">=0.8", "config"))

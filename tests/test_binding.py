@@ -1,4 +1,4 @@
-"""Parameter binding (issue 4 items 3-6): ``bind_params``, ``verify``, views/manifest, ``gather_pipeline`` and
+"""Parameter binding: ``bind_params``, ``verify``, views/manifest, ``gather_pipeline`` and
 ``gather_pipeline_flat``, ``unbind``.
 
 ONE module-scoped ``run_all`` on the session's 2 gloo ranks (``rank_group``) runs every configuration (tests/_binding_scenarios.py) in one gloo group;

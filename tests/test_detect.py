@@ -1,4 +1,5 @@
-"""Version detection: every case the foundation issue lists, on fake trees (no megatron-core needed)."""
+"""Version detection on fake trees (no megatron-core needed): every way a release can be installed or checked
+out."""
 
 from __future__ import annotations
 

@@ -1,9 +1,12 @@
 """Buffer layouts: computed (``compute_layout``) against hand-checked examples, and against real Megatron DDP.
 
-Unit tests check the arithmetic of api-drift.md section C (the worked examples of C.5 and small hand-computed
-models for each rule of C.2). Tests marked ``mcore`` build real Megatron-Core DDP wrappers for many
-configurations inside ONE run on the session's 2 gloo ranks (``rank_group``) (see ``_layout_scenarios.py``) and assert that what Megatron
-built (``layout_of``) equals what ``compute_layout`` predicts.
+Unit tests check the arithmetic of Megatron's buffer construction (``_ParamAndGradBuffer.__init__`` in
+``megatron/core/distributed/param_and_grad_buffer.py``; ``ParamAndGradBuffer`` there in 0.6-0.8, ``GradBuffer`` in
+``megatron/core/distributed/grad_buffer.py`` in 0.4/0.5): worked examples (``C5``, offsets recorded from real runs)
+and small hand-computed models for each rule (bucket-end divisor, param-start alignment, ordering, bucketing).
+Tests marked ``mcore`` build real Megatron-Core DDP wrappers for many configurations inside ONE run on the
+session's 2 gloo ranks (``rank_group``) (see ``_layout_scenarios.py``) and assert that what Megatron built
+(``layout_of``) equals what ``compute_layout`` predicts.
 """
 
 from __future__ import annotations
@@ -29,13 +32,15 @@ from mcore_compat.layout import (
     compute_layout,
     layout_fact,
 )
+from mcore_compat.support import releases
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
-RELEASES = ("0.4.0 0.5.0 0.6.0 0.7.0 0.8.0 0.9.0 0.10.0 0.11.0 0.12.0 0.12.3 0.13.0 0.13.1 0.14.0 0.15.0 0.15.3 "
-            "0.16.0 0.16.1 0.17.0 0.17.1 0.18.0 0.18.2 0.19.0 0.19.2").split()
+#: The supported releases (matrix/versions.toml).
+RELEASES = [str(r.version) for r in releases()]
 
-#: The model of api-drift.md C.5, in named_parameters() order.
+#: The worked-example model (odd sizes, a frozen param, an fp32 param, an expert param), in named_parameters()
+#: order.
 C5 = (
     ParamSpec("embedding.weight", (800,), BF16),
     ParamSpec("ln.weight", (16,), BF16),
@@ -61,7 +66,7 @@ def _c5(version: str, dp: int, fp32_grads: bool, bucket_size: int | None) -> Mod
                           grad_reduce_in_fp32=fp32_grads, **bucketing)
 
 
-# ---- api-drift.md C.5 worked examples (real runs) -------------------------------------------------------------
+# ---- C5 worked examples (offsets recorded from real runs) -----------------------------------------------------
 
 C5_TAIL = ("fc2.bias:832-848, fc2.weight:896-1424, fc1.bias:1472-1505, fc1.weight:1536-2064, ln.bias:2112-2128, "
            "ln.weight:2176-2192, embedding.weight:2240-3040")
@@ -138,7 +143,7 @@ def test_expert_buffers_pad_for_the_expert_group() -> None:
     assert expert.numel == 384  # lcm(3, 128)
 
 
-# ---- C.2 rules on small hand-checked models --------------------------------------------------------------------
+# ---- the offset rules on small hand-checked models ------------------------------------------------------------
 
 
 def _buckets(layout: ModelLayout) -> list[tuple[int, int, int | None]]:
@@ -219,7 +224,8 @@ def test_shared_embedding_without_distributed_optimizer_is_ordinary() -> None:
     assert _buckets(layout) == [(0, 180, 180)]
 
 
-# ---- bucket sizing (B.9) ----------------------------------------------------------------------------------------
+# ---- bucket sizing (the default bucket size of DistributedDataParallel.__init__ in
+# megatron/core/distributed/distributed_data_parallel.py: a 40M argument to 0.6, max(40M, 1M * dp) from 0.7) --
 
 BIG = [ParamSpec("a", (30_000_000,), BF16), ParamSpec("b", (30_000_000,), BF16), ParamSpec("c", (30_000_000,), BF16)]
 

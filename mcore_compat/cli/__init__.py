@@ -13,7 +13,7 @@ __all__ = ["build_parser", "main"]
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``mcore-compat`` (subcommands register themselves here)."""
-    from . import doctor
+    from . import doctor, selfcheck
 
     parser = argparse.ArgumentParser(
         prog="mcore-compat",
@@ -23,12 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mcore-compat {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     doctor.add_parser(sub)
-    try:
-        from . import selfcheck
-    except ImportError:  # pragma: no cover - self-check lands with the training API
-        selfcheck = None  # type: ignore[assignment]
-    if selfcheck is not None:
-        selfcheck.add_parser(sub)
+    selfcheck.add_parser(sub)
     return parser
 
 

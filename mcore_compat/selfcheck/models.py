@@ -233,7 +233,7 @@ def _sequence_parallel_norm() -> type:
         def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
             super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
             for p in self.parameters():
-                p.sequence_parallel = bool(config.sequence_parallel)
+                setattr(p, "sequence_parallel", bool(config.sequence_parallel))  # Megatron's parameter flag
 
     return SequenceParallelLayerNorm
 

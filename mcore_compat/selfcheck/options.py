@@ -6,6 +6,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..errors import McoreCompatError
+
 __all__ = ["FAULTS", "SelfCheckOptions", "UsageError"]
 
 #: Deliberate faults the self-check can inject to prove that its checks catch them (negative controls).
@@ -27,7 +29,7 @@ FAULTS = {
 }
 
 
-class UsageError(ValueError):
+class UsageError(McoreCompatError, ValueError):
     """Options that cannot work together; the message says what to change."""
 
 

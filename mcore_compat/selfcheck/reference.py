@@ -63,14 +63,14 @@ def _plain_copy(module: Any) -> Any:
     cls = dist.ProcessGroup
     had = "__deepcopy__" in cls.__dict__
     previous = cls.__dict__.get("__deepcopy__")
-    cls.__deepcopy__ = lambda self, _memo: self  # type: ignore[attr-defined]
+    setattr(cls, "__deepcopy__", lambda self, _memo: self)
     try:
         return copy.deepcopy(module, memo)
     finally:
         if had:
-            cls.__deepcopy__ = previous  # type: ignore[attr-defined]
+            setattr(cls, "__deepcopy__", previous)
         else:
-            del cls.__deepcopy__
+            delattr(cls, "__deepcopy__")
 
 
 @dataclass

@@ -168,8 +168,8 @@ def _pipeline_gather_check(binding: Any, ps: Any) -> Check:
 
 
 # ------------------------------------------------------------------------------------------------ faults
-def _wrap_finalize(chunks: list[Any], after: Callable[[list[Any]], None], before: Callable[[list[Any]], None] | None
-                   = None) -> None:
+def _wrap_finalize(chunks: list[Any], after: Callable[[list[Any]], object],
+                   before: Callable[[list[Any]], object] | None = None) -> None:
     """Run ``after(chunks)`` right after the real ``finalize_model_grads`` (where a reduction bug acts)."""
     from .. import symbols
 
@@ -269,7 +269,7 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
 
     ps = symbols.resolve("parallel_state")
     models.init_parallel(opts)
-    env = {"python": platform.python_version(), "torch": torch.__version__, "megatron_core": str(detect().version),
+    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "megatron_core": str(detect().version),
            "device": opts.device, "backend": dist.get_backend()}
 
     modules, _config = models.build_chunks(opts)
