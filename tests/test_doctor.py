@@ -25,7 +25,7 @@ import pytest
 from packaging.version import Version
 
 import mcore_compat
-from mcore_compat.capabilities import capabilities
+from mcore_compat.capabilities import facts
 from mcore_compat.support import releases
 from mcore_compat.symbols import symbol_names
 
@@ -69,6 +69,11 @@ def _distribution_name() -> str | None:
 def _listed(version: str) -> bool:
     """Whether ``version`` is a release of the support matrix (``matrix/versions.toml``)."""
     return Version(version) in [r.version for r in releases()]
+
+
+def _jsonable(value: object) -> object:
+    """``value`` as it reads back from JSON (tuples become lists)."""
+    return json.loads(json.dumps(value))
 
 
 def _section(lines: list[str], title: str) -> list[str]:
@@ -129,12 +134,18 @@ def test_doctor_names_the_installed_release(text_run: subprocess.CompletedProces
 
 
 @pytest.mark.mcore
-def test_doctor_lists_every_capability_symbol_and_applicable_patch(text_run: subprocess.CompletedProcess[str],
-                                                                   release: tuple[str, Path]) -> None:
+def test_doctor_lists_every_fact_symbol_and_applicable_patch(text_run: subprocess.CompletedProcess[str],
+                                                             release: tuple[str, Path]) -> None:
     version = Version(release[0])
     lines = text_run.stdout.splitlines()
-    rows = {line.split()[1]: line.split()[0] for line in _section(lines, "capabilities")}
-    assert rows == {c.name: "yes" if c.holds_for(version) else "no" for c in capabilities()}
+    rows = {line.split()[1]: (line.split()[0], line.split(None, 2)[2]) for line in _section(lines, "facts")}
+    assert set(rows) == {f.name for f in facts()}
+    for f in facts():
+        mark, rest = rows[f.name]
+        if f.is_flag:
+            assert mark == ("yes" if f.value_for(version) else "no"), (f.name, mark)
+        else:  # a valued fact prints its value for the release
+            assert mark == "=" and rest.strip() == repr(f.value_for(version)), (f.name, rest)
     surface = {line.split()[0]: line for line in _section(lines, "import surface")}
     assert sorted(surface) == symbol_names()
     assert any("unavailable" not in line for line in surface.values())
@@ -153,8 +164,8 @@ def test_doctor_json_is_the_same_report(json_run: subprocess.CompletedProcess[st
     assert m["found"] is True and m["version"] == version and Path(m["path"]) == core.resolve()
     assert m["checkout"] is (_distribution_name() is None) and m["distribution"] == _distribution_name()
     assert report["support"]["listed"] is _listed(version)
-    assert {c["name"]: c["holds"] for c in report["capabilities"]} == {
-        c.name: c.holds_for(Version(version)) for c in capabilities()}
+    assert {f["name"]: f["value"] for f in report["facts"]} == {
+        f.name: _jsonable(f.value_for(Version(version))) for f in facts()}
     assert sorted(s["name"] for s in report["symbols"]) == symbol_names()
     patches = {p["name"]: p for p in report["patches"]}
     assert set(patches) == {p.name for p in _patches()}
@@ -165,11 +176,12 @@ def test_doctor_json_is_the_same_report(json_run: subprocess.CompletedProcess[st
 
 @pytest.mark.mcore
 def test_doctor_probe_agrees_with_the_real_module(workdir: Path, release: tuple[str, Path]) -> None:
-    """``--probe`` imports megatron.core and checks every capability row; ``--expect-version`` the release."""
+    """``--probe`` imports megatron.core and checks every fact against its probe; ``--expect-version`` the
+    release."""
     proc = _doctor(workdir, "--probe", "--expect-version", release[0])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    rows = _section(proc.stdout.splitlines(), "capabilities")
-    assert rows and all("probe=agrees" in row for row in rows), [r for r in rows if "probe=agrees" not in r]
+    rows = _section(proc.stdout.splitlines(), "facts")
+    assert len(rows) == len(facts()) and all("probe=agrees" in row for row in rows), [r for r in rows if "probe=agrees" not in r]
 
 
 @pytest.mark.mcore
@@ -203,7 +215,7 @@ def test_doctor_without_megatron_says_so_and_fails(bare_env: tuple[Path, dict[st
     assert "Traceback" not in proc.stderr, proc.stderr
     [line] = [ln for ln in proc.stdout.splitlines() if "megatron-core" in ln and "NOT FOUND" in ln]
     assert "not installed" in line and "pip install megatron-core==" in line, line
-    assert "capabilities" not in proc.stdout and "patches for this version" not in proc.stdout
+    assert "facts (table" not in proc.stdout and "patches for this version" not in proc.stdout
 
 
 @pytest.mark.unit
@@ -213,4 +225,4 @@ def test_doctor_json_without_megatron(bare_env: tuple[Path, dict[str, str]]) -> 
     report = json.loads(proc.stdout)
     assert report["megatron_core"]["found"] is False
     assert "not installed" in report["megatron_core"]["error"]
-    assert "capabilities" not in report and "patches" not in report
+    assert "facts" not in report and "patches" not in report

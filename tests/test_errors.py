@@ -14,8 +14,9 @@ from mcore_compat.errors import McoreCompatError
 
 pytestmark = pytest.mark.unit
 
-#: Modules not imported by the walk: running ``python -m mcore_compat`` is importing ``__main__``.
-_NOT_IMPORTED = frozenset({"mcore_compat.__main__"})
+#: Modules not imported by the walk: importing a ``__main__`` (``python -m mcore_compat``, ``python -m
+#: mcore_compat.support``) runs its command line.
+_NOT_IMPORTED = frozenset({"mcore_compat.__main__", "mcore_compat.support.__main__"})
 
 
 def _module_names() -> list[str]:
