@@ -2,8 +2,9 @@
 
 Each fact is a :class:`~mcore_compat._rows.Fact`: a name, rows ``(version range -> value)`` covering 0.4.0 and
 everything newer, a description, and a probe that returns the value observed in the installed release. The
-adapters (``mcore_compat.training``, ``selfcheck``) read these rows through :func:`mcore_compat.capabilities.fact`
-and :func:`~mcore_compat.capabilities.has`; nothing else in the package compares versions.
+adapters (``mcore_compat.training``, ``selfcheck``, ``layout``, ``binding``) read these rows through
+:func:`mcore_compat.capabilities.fact` and :func:`~mcore_compat.capabilities.has`; nothing else in the package
+compares versions.
 ``tests/test_surface_real.py`` asserts ``probe() == value`` for every fact in every matrix session, so a wrong row
 fails in the session of the release it is wrong for.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._layout_probes import bucket_size_none, min_params_per_sized_bucket, shared_embedding_split
 from ._probes import (
     Probe,
     all_of,
@@ -44,7 +46,7 @@ from ._probes import (
 from ._rows import Fact, Row
 from ._rows import flag as F
 
-__all__ = ["DDP_SETTINGS", "FACTS", "SCHEDULE_BASE_PARAMS"]
+__all__ = ["DDP_SETTINGS", "FACTS", "LAYOUT_FACT_NAMES", "SCHEDULE_BASE_PARAMS"]
 
 # Modules the probes look at.
 _DIST = "megatron.core.distributed"
@@ -95,11 +97,6 @@ _ROWS_PACKAGE: tuple[Fact[bool], ...] = (
 )
 
 _ROWS_DDP: tuple[Fact[bool], ...] = (
-    F("grad_buffer_legacy", "<0.6", "DDP keeps grads in GradBuffer (distributed/grad_buffer.py, attr grad_buffers)",
-      module_exists("megatron.core.distributed.grad_buffer")),
-    F("param_and_grad_buffer", ">=0.6",
-      "DDP keeps params/grads in ParamAndGradBuffer (attrs buffers, expert_parallel_buffers)",
-      module_exists(_BUF)),
     F("param_buffer_public_name", ">=0.6,<0.10",
       "megatron.core.distributed exports the public name ParamAndGradBuffer (deprecated alias in 0.9)",
       all_of(defines(_BUF, "ParamAndGradBuffer"), defines(_DIST, "ParamAndGradBuffer"))),
@@ -122,15 +119,6 @@ _ROWS_DDP: tuple[Fact[bool], ...] = (
       "DDP.broadcast_params reads self.data_parallel_group, which the constructor never sets (AttributeError)",
       all_of(reads_self_attr(_DDP, "DistributedDataParallel.broadcast_params", "data_parallel_group"),
              negate(assigns_self_attr(_DDP, "DistributedDataParallel", "data_parallel_group")))),
-    F("pad_buckets_high_nccl_busbw", ">=0.12",
-      "DistributedDataParallelConfig.pad_buckets_for_high_nccl_busbw exists (bucket end lcm(dp,128,2**16))",
-      defines(_DDPC, "DistributedDataParallelConfig.pad_buckets_for_high_nccl_busbw")),
-    F("bucket_pad_lcm_128", ">=0.7",
-      "with the distributed optimizer, bucket ends are padded to lcm(dp, 128) (before: to a multiple of dp)",
-      calls_with_constant((_BUF, _LAYOUT), ("lcm",), 128)),
-    F("param_start_padding_64", ">=0.8",
-      "with the distributed optimizer, every param starts at a multiple of 64 elements",
-      calls_with_constant((_BUF, _LAYOUT), ("_pad", "pad_to_divisor"), 64)),
     F("buffer_params_with_names", ">=0.17", "_ParamAndGradBuffer takes params_with_names instead of params",
       def_has_param(_BUF, "_ParamAndGradBuffer.__init__", "params_with_names")),
     F("buffer_nvfp4_unpacked_index_map", ">=0.17.1,<0.18",
@@ -425,9 +413,144 @@ _VALUED_OPTIMIZER: tuple[Fact[Any], ...] = (
       def_has_param(_OPT, "_get_param_groups", "default_skip_embedding_weight_decay")),
 )
 
+# --------------------------------------------------------------------------------------------------------------
+# The flat grad/param buffers of DDP (read by mcore_compat.layout and mcore_compat.binding). The layout is
+# computed in distributed/grad_buffer.py (GradBuffer, 0.4/0.5), distributed/param_and_grad_buffer.py
+# (ParamAndGradBuffer 0.6-0.8, _ParamAndGradBuffer 0.9+) and, from 0.18, optimizer/param_layout.py and
+# optimizer/distrib_optimizer.py (DistributedOptimizer._compute_per_buffer_param_layout).
+
+_GB = "megatron.core.distributed.grad_buffer"
+_DDP_CLASS = "DistributedDataParallel"
+_PAD_HIGH_NCCL = "DistributedDataParallelConfig.pad_buckets_for_high_nccl_busbw"
+
+
+def _buffer_assigns(attr: str) -> Probe[bool]:
+    """The buffer class of the release (GradBuffer, ParamAndGradBuffer or _ParamAndGradBuffer) sets ``attr``."""
+    return any_of(assigns_self_attr(_GB, "GradBuffer", attr), assigns_self_attr(_BUF, "ParamAndGradBuffer", attr),
+                  assigns_self_attr(_BUF, "_ParamAndGradBuffer", attr))
+
+
+def _bucket_assigns(attr: str) -> Probe[bool]:
+    """The bucket class of the release (Bucket, or _ParamAndGradBucket from 0.9) sets ``attr``."""
+    return any_of(assigns_self_attr(_GB, "Bucket", attr), assigns_self_attr(_BUF, "Bucket", attr),
+                  assigns_self_attr(_BUF, "_ParamAndGradBucket", attr))
+
+
+_VALUED_LAYOUT: tuple[Fact[Any], ...] = (
+    Fact("ddp_buffer_attrs", (
+        Row(">=0.4,<0.6", ("grad_buffers", None)),
+        Row(">=0.6", ("buffers", "expert_parallel_buffers")),
+    ), "DDP attributes holding the buffers, (dense, expert): 0.4/0.5 a dict {grad dtype: GradBuffer} "
+       "(distributed/grad_buffer.py) and expert params in no buffer; lists of ParamAndGradBuffer from 0.6 "
+       "(distributed/distributed_data_parallel.py)",
+       first_of(((("buffers", "expert_parallel_buffers"),
+                  all_of(assigns_self_attr(_DDP, _DDP_CLASS, "buffers"),
+                         assigns_self_attr(_DDP, _DDP_CLASS, "expert_parallel_buffers"))),
+                 (("grad_buffers", None), assigns_self_attr(_DDP, _DDP_CLASS, "grad_buffers"))), default=None)),
+    Fact("grad_data_attr", (
+        Row(">=0.4,<0.6", "data"),
+        Row(">=0.6", "grad_data"),
+    ), "attribute of a buffer holding the flat gradient tensor (GradBuffer.data in distributed/grad_buffer.py; "
+       "grad_data in distributed/param_and_grad_buffer.py, 0.6)",
+       first_of((("grad_data", _buffer_assigns("grad_data")), ("data", _buffer_assigns("data"))), default=None)),
+    Fact("buffer_grouping", (
+        Row(">=0.4,<0.6", "grad_dtype"),
+        Row(">=0.6,<0.18", "param_and_grad_dtype"),
+        Row(">=0.18", "buffer_key"),
+    ), "what separates params into buffers: grad_dtype = the grad dtype only (0.4/0.5, one GradBuffer per "
+       "dtype); param_and_grad_dtype = (param dtype, grad dtype) per dense/expert list (0.6, the buffer takes "
+       "param_dtype); buffer_key = BufferKey(param dtype, grad dtype, expert, managed by the layer-wise optimizer) "
+       "(optimizer/param_layout.py, 0.18)",
+       first_of((("buffer_key", defines(_LAYOUT, "BufferKey")),
+                 ("param_and_grad_dtype", any_of(def_has_param(_BUF, "ParamAndGradBuffer.__init__", "param_dtype"),
+                                                 def_has_param(_BUF, "_ParamAndGradBuffer.__init__", "param_dtype")))),
+                default="grad_dtype")),
+    Fact("expert_buffers", (
+        Row(">=0.4,<0.6", False),
+        Row(">=0.6", True),
+    ), "expert params (param.allreduce == False) get buffers of their own (DDP.expert_parallel_buffers, "
+       "distributed/distributed_data_parallel.py, 0.6); before, a private main_grad outside any buffer",
+       assigns_self_attr(_DDP, _DDP_CLASS, "expert_parallel_buffers")),
+    Fact("bucket_end_factors", (
+        Row(">=0.4,<0.7", ()),
+        Row(">=0.7", (128,)),
+    ), "with the distributed optimizer, bucket ends are padded to lcm(dp, *factors): math.lcm(dp, 128) in "
+       "distributed/param_and_grad_buffer.py (0.7) and optimizer/param_layout.py (0.18); before, to a multiple "
+       "of dp",
+       first_of((((128,), calls_with_constant((_BUF, _LAYOUT), ("lcm",), 128)),), default=())),
+    Fact("high_nccl_busbw_factor", (
+        Row(">=0.4,<0.12", None),
+        Row(">=0.12", 2**16),
+    ), "extra lcm factor of the bucket end with DistributedDataParallelConfig.pad_buckets_for_high_nccl_busbw "
+       "(distributed/distributed_data_parallel_config.py, 0.12: math.lcm(dp, 128, 2**16)); None = no such "
+       "option",
+       first_of(((2**16, all_of(defines(_DDPC, _PAD_HIGH_NCCL),
+                                calls_with_constant((_BUF, _LAYOUT), ("lcm",), 2**16))),), default=None)),
+    Fact("param_start_alignment", (
+        Row(">=0.4,<0.8", 1),
+        Row(">=0.8", 64),
+    ), "with the distributed optimizer, every param starts at a multiple of this many elements (_pad(start, 64) "
+       "in distributed/param_and_grad_buffer.py, 0.8; pad_to_divisor in optimizer/param_layout.py, 0.18)",
+       first_of(((64, calls_with_constant((_BUF, _LAYOUT), ("_pad", "pad_to_divisor"), 64)),), default=1)),
+    Fact("shared_embedding_split", (
+        Row(">=0.4,<0.6", "none"),
+        Row(">=0.6,<0.9", "close_at_start"),
+        Row(">=0.9,<0.13", "dp_align_then_close"),
+        Row(">=0.13", "start_after_close"),
+    ), "how a shared_embedding param gets a bucket of its own with the distributed optimizer "
+       "(_does_param_require_new_bucket in distributed/param_and_grad_buffer.py, from 0.18 in "
+       "optimizer/distrib_optimizer.py): none = no special case (0.4/0.5); close_at_start = close the running "
+       "bucket at the param's start, which stays (Megatron asserts start % dp == 0; 0.6); dp_align_then_close = "
+       "pad the start to a bucket end if it is not a multiple of dp, close the running bucket there, the param "
+       "stays at that start (0.9); start_after_close = close the running bucket, the param starts at its padded "
+       "end (0.13)",
+       shared_embedding_split()),
+    Fact("min_params_per_sized_bucket", (
+        Row(">=0.4,<0.6", 2),
+        Row(">=0.6", 1),
+    ), "a bucket is closed by size only once it holds at least this many params (distributed/grad_buffer.py "
+       "0.4/0.5: `>= bucket_size and len(bucket_params) > 1`; distributed/param_and_grad_buffer.py 0.6: no "
+       "minimum)",
+       min_params_per_sized_bucket()),
+    Fact("bucket_numel_unpadded", (
+        Row(">=0.4,<0.5", False),
+        Row(">=0.5", True),
+    ), "buckets record numel_unpadded (Bucket in distributed/grad_buffer.py, 0.5)",
+       _bucket_assigns("numel_unpadded")),
+    Fact("buffer_numel_unpadded", (
+        Row(">=0.4,<0.7", False),
+        Row(">=0.7", True),
+    ), "buffers record numel_unpadded, the sum over their buckets (ParamAndGradBuffer in "
+       "distributed/param_and_grad_buffer.py, 0.7)",
+       _buffer_assigns("numel_unpadded")),
+    Fact("param_data_with_distopt", (
+        Row(">=0.4,<0.6", False),
+        Row(">=0.6", True),
+    ), "with the distributed optimizer, buffers hold a flat param_data tensor the params are views of "
+       "(distributed/param_and_grad_buffer.py, 0.6)",
+       _buffer_assigns("param_data")),
+    Fact("default_bucket_size", (
+        Row(">=0.4,<0.7", "fixed"),
+        Row(">=0.7", "scaled"),
+    ), "default bucket size: fixed = 40_000_000 (the DDP argument's default, 0.4-0.6); scaled = "
+       "max(40_000_000, 1_000_000 * dp) computed in DistributedDataParallel.__init__ "
+       "(distributed/distributed_data_parallel.py, 0.7)",
+       first_of((("scaled", calls_with_constant((_DDP,), ("max",), 40000000, within=_DDP_INIT)),),
+                default="fixed")),
+    Fact("bucket_size_none", (
+        Row(">=0.4,<0.7", "single_bucket"),
+        Row(">=0.7", "default"),
+    ), "what an explicit bucket_size=None means: the DDP argument (0.4-0.6) -> one bucket; ddp_config.bucket_size "
+       "(distributed/distributed_data_parallel.py, 0.7) -> the default",
+       bucket_size_none()),
+)
+
+#: The names of the buffer-layout facts (``mcore_compat.layout.LAYOUT_FACTS`` is this part of the table).
+LAYOUT_FACT_NAMES: tuple[str, ...] = tuple(f.name for f in _VALUED_LAYOUT)
+
 FACTS: dict[str, Fact[Any]] = {
     f.name: f for f in (
         _ROWS_PACKAGE + _ROWS_DDP + _VALUED_DDP + _ROWS_FINALIZE + _VALUED_STEP + _ROWS_PG + _ROWS_OPTIMIZER
-        + _VALUED_OPTIMIZER + _ROWS_MODELS
+        + _VALUED_OPTIMIZER + _ROWS_MODELS + _VALUED_LAYOUT
     )
 }

@@ -288,10 +288,26 @@ def module_level_call(module: str, func: str) -> Probe[bool]:
     return Probe(probe, (module,))
 
 
+def _literal(node: ast.AST) -> object:
+    """The value of a literal argument: a constant, or a power/product of int constants (``2**16``); else a
+    marker that equals nothing."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Pow, ast.Mult)):
+        left, right = _literal(node.left), _literal(node.right)
+        if type(left) is int and type(right) is int and (isinstance(node.op, ast.Mult) or 0 <= right <= 64):
+            return left ** right if isinstance(node.op, ast.Pow) else left * right
+    return _NOT_LITERAL
+
+
+_NOT_LITERAL = object()
+
+
 def calls_with_constant(modules: tuple[str, ...], funcs: tuple[str, ...], constant: _Const,
                         within: str | None = None) -> Probe[bool]:
     """Probe: one of ``modules`` calls one of ``funcs`` (by bare or attribute name) with literal ``constant``
-    among its positional arguments, optionally only inside the definition ``within`` (a qualname).
+    among its positional arguments, optionally only inside the definition ``within`` (a qualname). An int
+    constant also matches a power or product of int literals (``2**16`` is 65536).
 
     E.g. ``math.lcm(world_size, 128)`` is ``calls_with_constant((m,), ("lcm",), 128)``.
     """
@@ -303,8 +319,8 @@ def calls_with_constant(modules: tuple[str, ...], funcs: tuple[str, ...], consta
                 continue
             for node in ast.walk(root):
                 if isinstance(node, ast.Call) and _call_name(node) in funcs and any(
-                    isinstance(arg, ast.Constant) and type(arg.value) is type(constant) and arg.value == constant
-                    for arg in node.args
+                    type(value) is type(constant) and value == constant
+                    for value in map(_literal, node.args)
                 ):
                     return True
         return False

@@ -292,13 +292,15 @@ def test_bucket_padding_property() -> None:
 
 @pytest.mark.unit
 def test_fact_table_covers_every_release_once() -> None:
-    for name, rows in LAYOUT_FACTS.items():
+    for name, entry in LAYOUT_FACTS.items():
         for release in [*RELEASES, "0.20.0rc1"]:
-            matches = [spec for spec, _ in rows if in_range(release, spec)]
+            matches = [row.versions for row in entry.rows if in_range(release, row.versions)]
             assert len(matches) == 1, (name, release, matches)
         layout_fact(name, Version("0.19.2"))
     with pytest.raises(UnsupportedVersionError):
         layout_fact("grad_data_attr", "0.3.0")
+    with pytest.raises(KeyError, match="known"):
+        layout_fact("ddp_ctor", "0.16.1")  # a fact of the table, but no buffer-layout fact
     with pytest.raises(UnsupportedVersionError):
         compute_layout(C5, version="0.3.0", dp_size=1)
 

@@ -24,7 +24,7 @@ __all__ = ["bind_params"]
 
 #: Names of the DDP attributes that hold buffers, over all releases (from the layout table).
 _DDP_BUFFER_ATTRS: Final = frozenset(
-    attr for _, attrs in LAYOUT_FACTS["ddp_buffer_attrs"] for attr in attrs if attr is not None
+    attr for row in LAYOUT_FACTS["ddp_buffer_attrs"].rows for attr in row.value if attr is not None
 )
 
 #: ``ddp_config`` flags under which ``param_data`` is no persistent home of the weights (flag -> why).

@@ -14,8 +14,9 @@ releases. This package gives one answer for every release:
 Both return a :class:`ModelLayout` (:mod:`.model`); two layouts compare equal exactly when every buffer, bucket
 and parameter offset agrees, and :meth:`ModelLayout.diff` says where they differ.
 
-Every version-dependent fact is a row of :data:`LAYOUT_FACTS` (fact name -> version range -> value, in
-:mod:`.facts`); the code looks facts up there instead of comparing versions.
+Every version-dependent fact is a row of :data:`LAYOUT_FACTS` (:mod:`.facts`: the buffer-layout part of the one
+fact table, :mod:`mcore_compat._fact_table`, each fact probed against the installed release); the code looks facts
+up there instead of comparing versions.
 """
 
 from __future__ import annotations

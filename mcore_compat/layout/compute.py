@@ -12,7 +12,7 @@ from typing import Final
 import torch
 from packaging.version import Version
 
-from .facts import layout_fact
+from .facts import LAYOUT_FACTS, layout_fact
 from .model import BucketLayout, BufferKey, BufferLayout, LayoutError, ModelLayout, ParamsArg, ParamSpec
 from .rules import BufferBuilder, Rules, rules_for
 from .version import resolve_version
@@ -182,7 +182,8 @@ def compute_layout(
     if dp_size < 1 or (expert_dp_size is not None and expert_dp_size < 1):
         raise LayoutError(f"group sizes must be >= 1, got dp_size={dp_size}, expert_dp_size={expert_dp_size}")
     if pad_buckets_for_high_nccl_busbw and layout_fact("high_nccl_busbw_factor", v) is None:
-        raise LayoutError(f"pad_buckets_for_high_nccl_busbw does not exist in megatron-core {v} (0.12+)")
+        since = LAYOUT_FACTS["high_nccl_busbw_factor"].where(lambda factor: factor is not None)
+        raise LayoutError(f"pad_buckets_for_high_nccl_busbw does not exist in megatron-core {v} ({since})")
     effective = _effective_bucket_size(v, bucket_size, dp_size, overlap_grad_reduce, disable_bucketing,
                                        pipeline_rank)
     groups, unbuffered = _group_specs(_to_specs(params_with_names), v, grad_reduce_in_fp32, chunk)

@@ -125,7 +125,7 @@ class BufferLayout:
         key: which buffer (chunk, dtypes, expert, layer-wise).
         dp_size: size of the data-parallel group the buffer is reduced over (the padding divisor's base).
         numel: elements in the buffer, padding included.
-        numel_unpadded: Megatron's ``numel_unpadded`` (sum of the buckets' ``numel_unpadded``; 0.9+, else
+        numel_unpadded: Megatron's ``numel_unpadded`` (sum of the buckets' ``numel_unpadded``; 0.7+, else
             ``None``).
         buckets: the buckets in order.
         params: the params in layout order (ascending ``start``; Megatron lays params out in reverse

@@ -77,7 +77,8 @@ class BufferBuilder:
                 raise LayoutError(
                     f"Megatron-Core raises AssertionError for this model: shared-embedding param {spec.name!r} "
                     f"would start at {start}, which is not a multiple of the data-parallel size {rules.dp_size} "
-                    f"(0.6-0.8 `assert data_start_index % data_parallel_world_size == 0`; api-drift.md C.2)"
+                    f"(0.6-0.8 `assert data_start_index % data_parallel_world_size == 0` in "
+                    "megatron/core/distributed/param_and_grad_buffer.py)"
                 )
             self.close_bucket(start)
             return start

@@ -1,18 +1,14 @@
-"""Which megatron-core release a layout is for: the installed one by default, never older than 0.4.0."""
+"""Which megatron-core release a layout is for: the installed one by default, one the buffer-layout facts cover."""
 
 from __future__ import annotations
-
-from typing import Final
 
 from packaging.version import Version
 
 from .._ranges import feature_version
 from ..errors import UnsupportedVersionError
+from .facts import LAYOUT_FACTS
 
-__all__ = ["MIN_VERSION", "resolve_version"]
-
-#: The oldest release the buffer-layout table covers.
-MIN_VERSION: Final = Version("0.4.0")
+__all__ = ["resolve_version"]
 
 
 def resolve_version(version: Version | str | None) -> Version:
@@ -25,7 +21,7 @@ def resolve_version(version: Version | str | None) -> Version:
         The release as compared against :data:`~mcore_compat.layout.LAYOUT_FACTS`' ranges.
 
     Raises:
-        UnsupportedVersionError: ``version`` is older than 0.4.0.
+        UnsupportedVersionError: no row of the buffer-layout facts covers ``version`` (older than 0.4.0).
         MegatronNotFoundError: ``version`` is ``None`` and no megatron-core is installed.
     """
     if version is None:
@@ -33,6 +29,9 @@ def resolve_version(version: Version | str | None) -> Version:
 
         version = detect().version
     v = feature_version(version)
-    if v < MIN_VERSION:
-        raise UnsupportedVersionError(f"megatron-core {version} is older than 0.4.0, which mcore-compat does not support")
+    uncovered = [entry for entry in LAYOUT_FACTS.values() if entry.row_for(v) is None]
+    if uncovered:
+        raise UnsupportedVersionError(
+            f"megatron-core {version} is not covered by the buffer-layout facts (fact {uncovered[0].name!r} "
+            f"covers {uncovered[0].where(lambda _: True)}); mcore-compat does not support it")
     return v
