@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from ._probes import Probe, _call_name, _find, _module_tree
+from ._probes import Probe, call_name, find_node, module_tree
 
 __all__ = ["bucket_size_none", "min_params_per_sized_bucket", "shared_embedding_split"]
 
@@ -37,14 +37,14 @@ _NEEDS_OWN_BUCKET = "_does_param_require_new_bucket"
 def _ifs(modules: tuple[str, ...]) -> Iterator[ast.If]:
     """Every ``if`` statement of ``modules`` (installed ones only), module by module, in source order."""
     for module in modules:
-        tree = _module_tree(module)
+        tree = module_tree(module)
         if tree is not None:
             yield from sorted((n for n in ast.walk(tree) if isinstance(n, ast.If)),
                               key=lambda n: (n.lineno, n.col_offset))
 
 
 def _calls(node: ast.AST, func: str) -> bool:
-    return any(isinstance(n, ast.Call) and _call_name(n) == func for n in ast.walk(node))
+    return any(isinstance(n, ast.Call) and call_name(n) == func for n in ast.walk(node))
 
 
 def _stored_names(stmts: list[ast.stmt], nested: bool) -> set[str]:
@@ -78,7 +78,7 @@ def shared_embedding_split() -> Probe[str]:
 
 
 def _is_len_of_bucket_params(node: ast.expr) -> bool:
-    return (isinstance(node, ast.Call) and _call_name(node) == "len" and len(node.args) == 1
+    return (isinstance(node, ast.Call) and call_name(node) == "len" and len(node.args) == 1
             and isinstance(node.args[0], ast.Name) and node.args[0].id == "bucket_params")
 
 
@@ -109,7 +109,7 @@ def min_params_per_sized_bucket() -> Probe[int | None]:
 
 
 def _bucket_size_none() -> str:
-    init = _find(_DDP, "DistributedDataParallel.__init__")
+    init = find_node(_DDP, "DistributedDataParallel.__init__")
     if init is not None and any(
         isinstance(n, ast.Compare) and isinstance(n.left, ast.Attribute) and n.left.attr == "bucket_size"
         and isinstance(n.ops[0], ast.Is) and isinstance(n.comparators[0], ast.Constant)

@@ -98,7 +98,7 @@ def _tree(path: Path) -> ast.Module:
     return ast.parse(path.read_text(encoding="utf-8"), str(path))
 
 
-def _module_tree(module: str) -> ast.Module | None:
+def module_tree(module: str) -> ast.Module | None:
     path = source_of(module)
     return None if path is None else _tree(path)
 
@@ -132,9 +132,9 @@ def _body_statements(scope: _Scope) -> list[ast.stmt]:
     return out
 
 
-def _find(module: str, qualname: str) -> ast.AST | None:
+def find_node(module: str, qualname: str) -> ast.AST | None:
     """The AST node defining ``module.qualname`` (last definition wins, like at run time)."""
-    node: ast.AST | None = _module_tree(module)
+    node: ast.AST | None = module_tree(module)
     for part in qualname.split("."):
         if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             return None
@@ -157,7 +157,7 @@ def _walk_scope(node: ast.AST) -> list[ast.AST]:
     return out
 
 
-def _call_name(call: ast.Call) -> str | None:
+def call_name(call: ast.Call) -> str | None:
     func = call.func
     if isinstance(func, ast.Name):
         return func.id
@@ -179,11 +179,11 @@ def defines(module: str, qualname: str) -> Probe[bool]:
 
     Definitions guarded by ``if``/``try`` at module or class level count.
     """
-    return Probe(lambda: _find(module, qualname) is not None, (module,))
+    return Probe(lambda: find_node(module, qualname) is not None, (module,))
 
 
 def _def_params(module: str, qualname: str) -> tuple[str, ...] | None:
-    node = _find(module, qualname)
+    node = find_node(module, qualname)
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
     a = node.args
@@ -211,7 +211,7 @@ def class_fields(module: str, qualname: str) -> Probe[tuple[str, ...] | None]:
     """Probe: the annotated fields of the class ``module.qualname`` (a dataclass), in order; ``None`` if absent."""
 
     def probe() -> tuple[str, ...] | None:
-        node = _find(module, qualname)
+        node = find_node(module, qualname)
         if not isinstance(node, ast.ClassDef):
             return None
         return tuple(s.target.id for s in _body_statements(node)
@@ -260,7 +260,7 @@ def top_level_import(module: str, imported: str) -> Probe[bool]:
     """Probe: ``module``'s source imports ``imported`` (or a submodule) at top level, outside ``try``."""
 
     def probe() -> bool:
-        tree = _module_tree(module)
+        tree = module_tree(module)
         if tree is None:
             return False
         for node in tree.body:  # only statements at module level; a Try node is skipped
@@ -280,10 +280,10 @@ def module_level_call(module: str, func: str) -> Probe[bool]:
     """Probe: ``module`` calls ``func`` while being imported (a call outside any def/class body)."""
 
     def probe() -> bool:
-        tree = _module_tree(module)
+        tree = module_tree(module)
         if tree is None:
             return False
-        return any(isinstance(n, ast.Call) and _call_name(n) == func for n in _walk_scope(tree))
+        return any(isinstance(n, ast.Call) and call_name(n) == func for n in _walk_scope(tree))
 
     return Probe(probe, (module,))
 
@@ -314,11 +314,11 @@ def calls_with_constant(modules: tuple[str, ...], funcs: tuple[str, ...], consta
 
     def probe() -> bool:
         for module in modules:
-            root = _find(module, within) if within else _module_tree(module)
+            root = find_node(module, within) if within else module_tree(module)
             if root is None:
                 continue
             for node in ast.walk(root):
-                if isinstance(node, ast.Call) and _call_name(node) in funcs and any(
+                if isinstance(node, ast.Call) and call_name(node) in funcs and any(
                     type(value) is type(constant) and value == constant
                     for value in map(_literal, node.args)
                 ):
@@ -332,7 +332,7 @@ def assigns_constant(module: str, qualname: str, name: str, constant: _Const) ->
     """Probe: the body of ``module.qualname`` contains ``name = <constant>``."""
 
     def probe() -> bool:
-        root = _find(module, qualname)
+        root = find_node(module, qualname)
         if root is None:
             return False
         for node in ast.walk(root):
@@ -349,7 +349,7 @@ def asserts_name(module: str, qualname: str, name: str) -> Probe[bool]:
     """Probe: the body of ``module.qualname`` has an ``assert`` whose condition mentions the name ``name``."""
 
     def probe() -> bool:
-        root = _find(module, qualname)
+        root = find_node(module, qualname)
         if root is None:
             return False
         return any(
@@ -374,7 +374,7 @@ def reads_self_attr(module: str, qualname: str, attr: str) -> Probe[bool]:
     """Probe: the body of ``module.qualname`` reads ``self.<attr>``."""
 
     def probe() -> bool:
-        root = _find(module, qualname)
+        root = find_node(module, qualname)
         return root is not None and attr in _self_attrs(root, store=False)
 
     return Probe(probe, (module,))
@@ -384,7 +384,7 @@ def reads_attr(module: str, qualname: str, name: str, attr: str) -> Probe[bool]:
     """Probe: the body of ``module.qualname`` reads ``<name>.<attr>`` (e.g. ``config.virtual_pipeline_...``)."""
 
     def probe() -> bool:
-        root = _find(module, qualname)
+        root = find_node(module, qualname)
         return root is not None and any(
             isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.value, ast.Name) and n.value.id == name
             for n in ast.walk(root))
@@ -396,7 +396,7 @@ def assigns_self_attr(module: str, qualname: str, attr: str) -> Probe[bool]:
     """Probe: the body of ``module.qualname`` (e.g. a whole class) assigns ``self.<attr> = ...``."""
 
     def probe() -> bool:
-        root = _find(module, qualname)
+        root = find_node(module, qualname)
         return root is not None and attr in _self_attrs(root, store=True)
 
     return Probe(probe, (module,))
