@@ -30,7 +30,8 @@ def unwrap_model(model: Any, module_instances: tuple[type, ...] | None = None) -
     chunks = model if isinstance(model, list) else [model]
     out = []
     for chunk in chunks:
-        while isinstance(chunk, wrappers):
-            chunk = chunk.module
-        out.append(chunk)
+        inner: Any = chunk
+        while isinstance(inner, wrappers):
+            inner = inner.module
+        out.append(inner)
     return out if isinstance(model, list) else out[0]
