@@ -30,8 +30,8 @@ def unwrap_model(model: Any, module_instances: tuple[type, ...] | None = None) -
     chunks = model if isinstance(model, list) else [model]
     out = []
     for chunk in chunks:
-        inner: Any = chunk
-        while isinstance(inner, wrappers):
-            inner = inner.module
-        out.append(inner)
+        while isinstance(chunk, wrappers):
+            wrapper: Any = chunk  # isinstance over a tuple of types narrows to object
+            chunk = wrapper.module
+        out.append(chunk)
     return out if isinstance(model, list) else out[0]
