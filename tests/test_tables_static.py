@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,25 +21,17 @@ from mcore_compat._rows import Fact, Row, Symbol, complement, flag
 from mcore_compat._symbol_table import SYMBOLS
 from mcore_compat.capabilities import capabilities, capability, drift, fact, fact_row, has
 from mcore_compat.errors import UnknownFactError, UnsupportedVersionError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from mcore_compat.support import releases
 
 pytestmark = pytest.mark.unit
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ALLOWED_OPERATORS = {">=", "<", "=="}
-_VERSIONS_TOML = Path(__file__).resolve().parents[1] / "matrix" / "versions.toml"
 
 
 def _matrix() -> list[Version]:
-    """The releases of the support matrix."""
-    if not _VERSIONS_TOML.is_file():
-        pytest.skip(f"{_VERSIONS_TOML} not found")
-    data = tomllib.loads(_VERSIONS_TOML.read_text(encoding="utf-8"))
-    return sorted(Version(r["version"]) for r in data["release"])
+    """The releases of the support matrix (``matrix/versions.toml``)."""
+    return sorted(r.version for r in releases())
 
 
 def _bounds(spec: str) -> set[Version]:
