@@ -214,7 +214,9 @@ def test_cli_status_and_render_check() -> None:
 
 # ------------------------------------------------------------------------------------------- noxfile + CI
 def _load_noxfile_with(fake_nox: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """The noxfile, loaded with a stand-in nox; it puts the repository on sys.path (for ``ci``): undone after."""
     monkeypatch.setitem(sys.modules, "nox", fake_nox)
+    monkeypatch.setattr(sys, "path", list(sys.path))
     spec = importlib.util.spec_from_file_location("_noxfile_under_test", ROOT / "noxfile.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -249,6 +251,8 @@ def test_nox_sessions_equal_the_releases(rels: list[Release], monkeypatch: pytes
     for r in rels:
         s = registered[r.session]
         assert s["venv_backend"] == "none" and set(r.tags) <= set(s["tags"]), r.version
+        assert s["requires"] == [f"base-{r.python}"] and f"base-{r.python}" in registered, r.version
+    assert all(registered[n]["venv_backend"] == "none" for n in ("unit", "lint", "matrix"))
 
 
 def test_real_nox_lists_a_session_per_release(rels: list[Release]) -> None:
@@ -264,10 +268,11 @@ def test_real_nox_lists_a_session_per_release(rels: list[Release]) -> None:
 def test_matrix_summary_line(monkeypatch: pytest.MonkeyPatch) -> None:
     fake, _ = _fake_nox()
     nf = _load_noxfile_with(fake, monkeypatch)
-    results = [nf.JobResult("a", ok=True, passed=10, skipped=2), nf.JobResult("b", ok=False, failed=1, passed=3),
-               nf.JobResult("lint", ok=False, errors=1)]
-    assert nf._summary_line(results, 12.345) == "==== 1 failed, 13 passed, 2 skipped, 1 error in 12.35s ===="
-    assert nf._summary_line([], 1.0) == "==== no tests ran in 1.00s ===="
+    res = nf.results
+    results = [res.JobResult("a", ok=True, passed=10, skipped=2), res.JobResult("b", ok=False, failed=1, passed=3),
+               res.JobResult("lint", ok=False, errors=1)]
+    assert res.summary_line(results, 12.345) == "==== 1 failed, 13 passed, 2 skipped, 1 error in 12.35s ===="
+    assert res.summary_line([], 1.0) == "==== no tests ran in 1.00s ===="
 
 
 def test_junit_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -277,8 +282,8 @@ def test_junit_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     xml.write_text('<testsuites><testsuite tests="5" failures="1" errors="1" skipped="1">'
                    '<testcase classname="t.m" name="ok"/><testcase classname="t.m" name="bad"><failure/></testcase>'
                    "</testsuite></testsuites>")
-    res = nf.JobResult("x")
-    nf._junit_counts(xml, res)
+    res = nf.results.JobResult("x")
+    nf.results.junit_counts(xml, res)
     assert (res.passed, res.failed, res.errors, res.skipped) == (2, 1, 1, 1) and "t.m::bad" in res.details
 
 
@@ -288,17 +293,17 @@ def test_a_pytest_run_that_collected_nothing_fails(code: int, ok: bool, tmp_path
     """pytest's exit status 5 (no test collected) fails the session and counts as an error in the matrix."""
     fake, _ = _fake_nox()
     nf = _load_noxfile_with(fake, monkeypatch)
-    monkeypatch.setattr(nf, "LOGS", tmp_path)
-    monkeypatch.setattr(nf._Out, "run", lambda self, argv, env=None, check=True, cwd=None: code)
-    result, out = nf.JobResult("unit"), nf._Out(tmp_path / "unit.log")
-    nf._run_pytest("3.11", None, "not mcore", "unit", out, result, ())
+    env = nf.matrix_env.MatrixEnv(nf.matrix_env.Layout(tmp_path), nf.ENV.matrix)
+    monkeypatch.setattr(nf.Out, "run", lambda self, argv, env=None, check=True, cwd=None: code)
+    result, out = nf.results.JobResult("unit"), nf.Out(tmp_path / "unit.log")
+    nf.jobs.run_pytest(env, "3.11", None, "not mcore", out, result, ())
     out.close()
     assert result.ok is ok
     assert result.errors == (0 if ok else 1)
     if code == 5:
         assert "collected no test" in result.details
         assert "ERROR: pytest collected no test" in (tmp_path / "unit.log").read_text()
-        assert nf._summary_line([result], 1.0) == "==== 1 error in 1.00s ===="
+        assert nf.results.summary_line([result], 1.0) == "==== 1 error in 1.00s ===="
         errors: list[str] = []
         session = types.SimpleNamespace(error=errors.append, log=lambda text: None)
         nf._finish(session, result)
@@ -340,7 +345,7 @@ def test_the_fault_score_the_suite_writes_is_recorded(tmp_path: Path, monkeypatc
     the CPU record (and from there into the support table's 'faults caught' column)."""
     fake, _ = _fake_nox()
     nf = _load_noxfile_with(fake, monkeypatch)
-    monkeypatch.setattr(nf, "LOGS", tmp_path)
+    env = nf.matrix_env.MatrixEnv(nf.matrix_env.Layout(tmp_path), nf.ENV.matrix)
     seen: dict[str, str] = {}
 
     def fake_pytest(self: Any, argv: list[str], env: dict[str, str] | None = None, check: bool = True,
@@ -351,11 +356,10 @@ def test_the_fault_score_the_suite_writes_is_recorded(tmp_path: Path, monkeypatc
             {"caught": 27, "faults": 28, "clean_pass": 7, "clean": 7, "details": {}}))
         return 0
 
-    monkeypatch.setattr(nf._Out, "run", fake_pytest)
-    result, out = nf.JobResult("mcore-0.16.1"), nf._Out(tmp_path / "s.log")
-    nf._run_pytest("3.11", None, "mcore", "mcore-0.16.1", out, result, ())
+    monkeypatch.setattr(nf.Out, "run", fake_pytest)
+    result, out = nf.results.JobResult("mcore-0.16.1"), nf.Out(tmp_path / "s.log")
+    nf.jobs.run_pytest(env, "3.11", None, "mcore", out, result, ())
     out.close()
-    assert seen["MCORE_COMPAT_FAULT_REPORT"] == str(tmp_path / "mcore-0.16.1.faults.json")
+    assert seen["MCORE_COMPAT_FAULT_REPORT"] == str(tmp_path / ".cache" / "logs" / "mcore-0.16.1.faults.json")
     assert result.faults == {"caught": 27, "faults": 28, "clean_pass": 7, "clean": 7}
-    release = types.SimpleNamespace(install="wheel")
-    assert nf._cpu_record(release, result)["fault_detection"] == result.faults
+    assert nf.results.cpu_record("wheel", result)["fault_detection"] == result.faults

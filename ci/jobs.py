@@ -1,0 +1,166 @@
+"""The bodies of the sessions: ``unit``, ``lint`` and one release (start-up check, pytest, self-check).
+
+Each returns a :class:`~ci.results.JobResult` instead of raising, so the matrix can run them side by side and a
+single session can fail with the result's details.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ci.matrix_env import MatrixEnv, Release
+from ci.output import JobError, Out
+from ci.results import JobResult, junit_counts
+
+#: What pytest collects in every session: the suite and the PPO-actor example client (a real client).
+TEST_PATHS = ("tests", "examples/ppo_actor/tests")
+#: pytest's exit status when it collected no test: the session fails (and counts as an error in the matrix).
+PYTEST_NO_TESTS = 5
+#: What every release session runs after pytest: the main job, as a user runs it.
+SELFCHECK_ARGS = ("self-check", "--nproc", "2", "--sweep", "--device", "cpu", "--bind", "--timeout", "600")
+#: What the lint session type-checks (paths relative to the repository).
+MYPY_PATHS = ("mcore_compat", "patches", "ci")
+_STARTUP_CHECK = Path(__file__).resolve().parent / "startup_check.py"
+_SELFCHECK_KEYS = ("tp", "pp", "dp", "vpp", "sequence_parallel", "tie_embeddings", "overlap", "experts", "ep",
+                   "distributed_optimizer", "bind", "dtype")
+#: What a job turns into a failed result instead of raising.
+_JOB_ERRORS = (JobError, subprocess.CalledProcessError, OSError)
+
+
+def _timed(name: str, out: Out, body: Callable[[JobResult], None]) -> JobResult:
+    """Run ``body`` on a fresh result; an expected error fails the result (as an error unless pytest ran)."""
+    result = JobResult(name=name, log=out.log)
+    start = time.monotonic()
+    try:
+        body(result)
+    except _JOB_ERRORS as exc:
+        out.say(f"ERROR: {exc}")
+        result.ok, result.details = False, str(exc)
+        result.errors += 0 if result.ran_pytest else 1
+    result.seconds = time.monotonic() - start
+    return result
+
+
+def run_pytest(env: MatrixEnv, python: str, release: Release | None, marker: str, out: Out, result: JobResult,
+               extra: Sequence[str]) -> None:
+    """Run pytest on :data:`TEST_PATHS` with ``-m marker``; its counts, faults score and verdict go to ``result``.
+
+    The JUnit file, and the fault-injection score (``MCORE_COMPAT_FAULT_REPORT``), go to
+    ``.cache/logs/<result.name>.*``. Exit status 5 (no test collected) fails the job.
+
+    Args:
+        env: the environments.
+        python: the base to run on.
+        release: the release on ``PYTHONPATH`` (``None``: none).
+        marker: the ``-m`` expression.
+        out: the job's output.
+        result: updated in place.
+        extra: more pytest arguments.
+    """
+    logs = env.layout.logs
+    logs.mkdir(parents=True, exist_ok=True)
+    junit = logs / f"{result.name}.junit.xml"
+    junit.unlink(missing_ok=True)
+    faults = logs / f"{result.name}.faults.json"
+    faults.unlink(missing_ok=True)
+    argv: list[str | Path] = [env.layout.base_python(python), "-P", "-m", "pytest", *TEST_PATHS, "-m", marker, "-p",
+            "no:cacheprovider", f"--junitxml={junit}", *extra]
+    run_env = env.session_env(python, release)
+    run_env["MCORE_COMPAT_FAULT_REPORT"] = str(faults)  # the fault-injection suite writes its score there
+    code = out.run(argv, env=run_env, check=False, cwd=env.layout.repo)
+    result.ran_pytest = True
+    junit_counts(junit, result)
+    if faults.is_file():
+        score = json.loads(faults.read_text(encoding="utf-8"))
+        result.faults = {k: score[k] for k in ("caught", "faults", "clean_pass", "clean")}
+    if code == PYTEST_NO_TESTS:  # a session that tested nothing proves nothing: a wrong path, marker or -k
+        out.say(f"ERROR: pytest collected no test (exit status {code}); a session must run tests")
+        result.details = result.details or f"pytest collected no test (exit status {code})"
+    elif code != 0:
+        result.details = result.details or f"pytest exited with status {code}"
+    if code != 0 and not (result.failed or result.errors):
+        result.errors += 1
+    result.ok = code == 0
+
+
+def run_selfcheck(env: MatrixEnv, release: Release, out: Out, result: JobResult) -> None:
+    """``mcore-compat self-check --nproc 2 --sweep --bind`` (DP=2 and TP=2 with the distributed optimizer on and
+    off, PP=2): its verdict joins the job's, its per-configuration summaries go into ``result.selfcheck``."""
+    path = env.layout.logs / f"{release.session}.selfcheck.json"
+    path.unlink(missing_ok=True)
+    out.say("mcore-compat " + " ".join(SELFCHECK_ARGS))
+    code = out.run([env.layout.base_python(release.python), "-P", "-m", "mcore_compat", *SELFCHECK_ARGS, "--json",
+                    path], env=env.session_env(release.python, release), check=False, cwd=env.layout.repo)
+    reports = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
+    configs = [{**{k: r["settings"].get(k) for k in _SELFCHECK_KEYS}, "summary": r["summary"]} for r in reports]
+    good = sum(bool(r["ok"]) for r in reports)
+    result.selfcheck = {"result": "pass" if code == 0 else "fail", "configurations": configs,
+                        "summary": f"{good}/{len(reports)} configurations pass"}
+    if code != 0:
+        result.ok = False
+        result.errors += 1
+        result.details = "; ".join(filter(None, [result.details, f"self-check exited with status {code}"]))
+
+
+def run_release(env: MatrixEnv, release: Release, out: Out, extra: Sequence[str] = ()) -> JobResult:
+    """One release: base, limits, wheel, ``.cache/mc/<V>``, mcore-compat, start-up check, pytest, self-check.
+
+    A narrowed run (``extra`` pytest arguments, e.g. ``-k ...``) skips the self-check.
+    """
+
+    def body(result: JobResult) -> None:
+        python = release.python
+        env.ensure_base(python, out)
+        env.check_limits(release, out)
+        mc = env.ensure_mc(release, out)
+        mcc = env.ensure_mcc(python, out)
+        env.layout.logs.mkdir(parents=True, exist_ok=True)
+        report_path = env.layout.logs / f"{release.session}.startup.json"
+        report_path.unlink(missing_ok=True)
+        out.say(f"start-up check of megatron-core {release.version} on Python {python}")
+        code = out.run([env.layout.base_python(python), "-P", _STARTUP_CHECK, str(release.version), mc, mcc,
+                        report_path], env=env.session_env(python, release), check=False, cwd=env.layout.repo)
+        if code != 0:
+            raise JobError(f"start-up check failed (exit status {code}); see its output above")
+        result.report = json.loads(report_path.read_text(encoding="utf-8"))
+        run_pytest(env, python, release, "mcore", out, result, extra)
+        if not extra:
+            run_selfcheck(env, release, out, result)
+
+    return _timed(release.session, out, body)
+
+
+def run_unit(env: MatrixEnv, out: Out, extra: Sequence[str] = ()) -> JobResult:
+    """The tests that need no megatron-core (``-m "not mcore"``), against the installed mcore-compat."""
+
+    def body(result: JobResult) -> None:
+        env.ensure_base(env.tools_python, out)
+        env.ensure_mcc(env.tools_python, out)
+        run_pytest(env, env.tools_python, None, "not mcore", out, result, extra)
+
+    return _timed("unit", out, body)
+
+
+def run_lint(env: MatrixEnv, out: Out, extra: Sequence[str] = ()) -> JobResult:
+    """``ruff check .`` then ``mypy`` over :data:`MYPY_PATHS`, with the tools of the tools base.
+
+    Both always run; the job fails if either does (``extra`` goes to ruff).
+    """
+
+    def body(result: JobResult) -> None:
+        exe = env.ensure_base(env.tools_python, out)
+        failed = []
+        for tool, argv in (("ruff check", ["-m", "ruff", "check", ".", *extra]),
+                           ("mypy", ["-m", "mypy", *MYPY_PATHS])):
+            code = out.run([exe, *argv], check=False, cwd=env.layout.repo)
+            if code != 0:
+                failed.append(f"{tool} exited with status {code}")
+        result.ok = not failed
+        if failed:
+            result.details, result.errors = "; ".join(failed), len(failed)
+
+    return _timed("lint", out, body)
