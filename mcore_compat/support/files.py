@@ -47,8 +47,10 @@ def default_dir() -> Traversable:
     """
     found = package_matrix_dir() or source_matrix_dir()
     if found is None:
-        raise MatrixNotFoundError("cannot find the support matrix: neither the package data mcore_compat.matrix nor "
-                                "a source tree's matrix/versions.toml is available")
+        raise MatrixNotFoundError(
+            "cannot find the support matrix: neither the package data mcore_compat.matrix nor "
+            "a source tree's matrix/versions.toml is available"
+        )
     return found
 
 
@@ -62,8 +64,10 @@ def writable_dir(path: str | os.PathLike[str] | None) -> Path:
         return Path(path)
     found = source_matrix_dir()
     if found is None:
-        raise MatrixNotFoundError("results are written to the source tree's matrix/ directory, which was not found "
-                                "(run from the repository root or pass path=...)")
+        raise MatrixNotFoundError(
+            "results are written to the source tree's matrix/ directory, which was not found "
+            "(run from the repository root or pass path=...)"
+        )
     return found
 
 

@@ -69,7 +69,9 @@ class Matrix:
         seen = [r.version for r in parsed]
         if len(set(seen)) != len(seen):
             twice = sorted({str(v) for v in seen if seen.count(v) > 1})
-            raise MatrixFileError(f"versions.toml lists a release twice: {', '.join(twice)} (keep one entry of each)")
+            raise MatrixFileError(
+                f"versions.toml lists a release twice: {', '.join(twice)} (keep one entry of each)"
+            )
         return [Release(**{**vars(r), "tags": computed_tags(r, parsed)}) for r in parsed]
 
     def release(self, version: str | Version) -> Release | None:
@@ -140,13 +142,17 @@ class Matrix:
         """
         release = self.release(version)
         if release is None:
-            raise InvalidArgumentError(f"{version} is not a listed release; results are recorded only for listed "
-                                       f"releases (add it to versions.toml first)")
+            raise InvalidArgumentError(
+                f"{version} is not a listed release; results are recorded only for listed "
+                f"releases (add it to versions.toml first)"
+            )
         if kind not in RESULT_KINDS:
             raise InvalidArgumentError(f"kind must be one of {RESULT_KINDS}, not {kind!r}")
         if result.get("result") not in _RESULT_VALUES:
-            raise InvalidArgumentError(f"result['result'] must be one of {_RESULT_VALUES}, "
-                                       f"not {result.get('result')!r}")
+            raise InvalidArgumentError(
+                f"result['result'] must be one of {_RESULT_VALUES}, "
+                f"not {result.get('result')!r}"
+            )
         entry = {"date": _dt.datetime.now(_dt.timezone.utc).date().isoformat(), **dict(result)}
         json.dumps(entry)  # fail early on values that cannot be stored
         target = writable_dir(self._results_dir) / RESULTS_FILE

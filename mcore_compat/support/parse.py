@@ -37,7 +37,9 @@ def _check_specifier(version: str, name: str, value: str) -> None:
         try:
             SpecifierSet(value)
         except InvalidSpecifier as exc:
-            raise MatrixFileError(f"versions.toml, release {version}: {name} = {value!r} is not a specifier") from exc
+            raise MatrixFileError(
+                f"versions.toml, release {version}: {name} = {value!r} is not a specifier"
+            ) from exc
 
 
 def parse_release(entry: Mapping[str, Any], bases: Mapping[str, Any]) -> Release:
@@ -63,13 +65,17 @@ def parse_release(entry: Mapping[str, Any], bases: Mapping[str, Any]) -> Release
     except InvalidArgumentError as exc:
         raise MatrixFileError(f"versions.toml, release {version}: {exc}") from exc
     if python not in bases:
-        raise MatrixFileError(f"versions.toml, release {version}: no [base.\"{python}\"] table for python {python}")
+        raise MatrixFileError(
+            f"versions.toml, release {version}: no [base.\"{python}\"] table for python {python}"
+        )
     install = str(entry.get("install", "wheel"))
     if install not in INSTALL_KINDS:
         raise MatrixFileError(f"versions.toml, release {version}: install must be one of {INSTALL_KINDS}")
     wheel_python = str(entry.get("wheel_python", ""))
     if install == "unpack-wheel" and not wheel_python:
-        raise MatrixFileError(f"versions.toml, release {version}: install = 'unpack-wheel' needs wheel_python")
+        raise MatrixFileError(
+            f"versions.toml, release {version}: install = 'unpack-wheel' needs wheel_python"
+        )
     for name in LIMIT_FIELDS:
         _check_specifier(raw_version, name, str(entry.get(name, "")))
     return Release(version=version, python=python, install=install, wheel_python=wheel_python,
