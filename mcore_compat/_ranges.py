@@ -16,6 +16,8 @@ from functools import cache
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from .errors import InvalidArgumentError
+
 __all__ = ["feature_version", "in_range", "parse_version", "range_text", "specifier"]
 
 
@@ -26,7 +28,7 @@ def parse_version(value: str | Version) -> Version:
     try:
         return Version(str(value).strip())
     except InvalidVersion as exc:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{value!r} is not a valid PEP 440 version (expected something like '0.16.1', '0.20.0rc1', "
             f"'0.20.0+abc123')"
         ) from exc
@@ -43,7 +45,9 @@ def specifier(spec: str) -> SpecifierSet:
     try:
         return SpecifierSet(spec)
     except InvalidSpecifier as exc:
-        raise ValueError(f"{spec!r} is not a valid version range (expected e.g. '>=0.6,<0.10')") from exc
+        raise InvalidArgumentError(
+            f"{spec!r} is not a valid version range (expected e.g. '>=0.6,<0.10')"
+        ) from exc
 
 
 def in_range(version: str | Version, spec: str) -> bool:

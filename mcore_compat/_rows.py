@@ -25,7 +25,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from packaging.version import Version
 
 from ._ranges import in_range, range_text, specifier
-from .errors import UnsupportedVersionError
+from .errors import InvalidArgumentError, UnsupportedVersionError
 
 __all__ = ["Fact", "Location", "Row", "Symbol", "complement", "flag", "select"]
 
@@ -180,7 +180,7 @@ def complement(spec: str) -> tuple[str, ...]:
     ``("<0.6", ">=0.10")``.
 
     Raises:
-        ValueError: ``spec`` uses another operator.
+        InvalidArgumentError: ``spec`` uses another operator.
     """
     out = []
     for s in sorted(specifier(spec), key=lambda s: Version(s.version)):
@@ -189,7 +189,7 @@ def complement(spec: str) -> tuple[str, ...]:
         elif s.operator == "<":
             out.append(f">={s.version}")
         else:
-            raise ValueError(f"{spec!r}: a flag's range uses only >= and <")
+            raise InvalidArgumentError(f"{spec!r}: a flag's range uses only >= and <")
     return tuple(out)
 
 

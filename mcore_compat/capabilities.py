@@ -21,7 +21,7 @@ from ._fact_table import FACTS
 from ._ranges import parse_version
 from ._rows import Fact
 from .detect import detect
-from .errors import UnknownFactError
+from .errors import InvalidTypeError, UnknownFactError
 
 __all__ = ["capabilities", "capability", "drift", "fact", "fact_row", "facts", "has", "resolved"]
 
@@ -72,12 +72,14 @@ def has(name: str, version: Version | str | None = None) -> bool:
 
     Raises:
         UnknownFactError: no fact is called ``name``.
-        TypeError: ``name`` is a valued fact (read it with :func:`fact`).
+        InvalidTypeError: ``name`` is a valued fact (read it with :func:`fact`).
     """
     value = fact(name, version)
     if not isinstance(value, bool):
-        raise TypeError(f"fact {name!r} is not a flag (its value for {version or 'this release'} is {value!r}); "
-                        f"read it with fact({name!r})")
+        raise InvalidTypeError(
+            f"fact {name!r} is not a flag (its value for {version or 'this release'} is {value!r}); "
+            f"read it with fact({name!r})"
+        )
     return value
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from packaging.version import InvalidVersion, Version
 
-from .errors import MegatronNotFoundError
+from .errors import InvalidArgumentError, MegatronNotFoundError
 
 if TYPE_CHECKING:  # pragma: no cover
     import importlib.metadata as md
@@ -229,7 +229,7 @@ def _detect_cached() -> MegatronInfo:
         try:
             forced = Version(override)
         except InvalidVersion as exc:
-            raise ValueError(f"MCORE_COMPAT_VERSION={override!r} is not a valid version") from exc
+            raise InvalidArgumentError(f"MCORE_COMPAT_VERSION={override!r} is not a valid version") from exc
         if forced != module_version:
             problems.append(f"MCORE_COMPAT_VERSION={override} overrides the detected {module_version}.")
             module_version, source = forced, "MCORE_COMPAT_VERSION"

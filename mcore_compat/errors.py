@@ -1,20 +1,72 @@
-"""Exceptions raised by mcore-compat. Every message says what is wrong and what to do."""
+"""Exceptions raised by mcore-compat. Every message says what is wrong and what to do.
+
+Every exception mcore-compat raises on purpose derives from :class:`McoreCompatError` (itself a
+:class:`RuntimeError`), so ``except McoreCompatError`` catches them all. Errors that replace a standard exception keep
+it as a second base, so code written against the standard one keeps working:
+
+* :class:`InvalidArgumentError` (also a :class:`ValueError`): an argument, an option or an environment variable has
+  a value mcore-compat cannot use, or arguments that do not go together;
+* :class:`InvalidTypeError` (also a :class:`TypeError`): a value of a type mcore-compat cannot use, or an argument a
+  function does not take;
+* :class:`NotFoundError` (also a :class:`KeyError`): a name or key looked up in one of mcore-compat's tables is not
+  there (:class:`UnknownFactError` for facts and capabilities);
+* :class:`UnsupportedFeatureError` (also a :class:`NotImplementedError`): mcore-compat's stand-in for a missing
+  library (the apex and TransformerEngine stubs) or a patched Megatron class does not provide what was called.
+
+The other modules define errors of their own on the same base: ``BindingError`` (:mod:`mcore_compat.binding`),
+``LayoutError`` (:mod:`mcore_compat.layout`), ``MissingTrainingHookError`` (:mod:`mcore_compat.training`),
+``RankFailure``/``RankTimeout`` (:mod:`mcore_compat.launch`), ``UsageError`` (:mod:`mcore_compat.selfcheck`),
+``MatrixFileError``/``MatrixNotFoundError`` (:mod:`mcore_compat.support`).
+
+This module imports nothing (``mcore_compat.support`` loads it from its file when it is loaded on its own).
+"""
 
 from __future__ import annotations
 
 __all__ = [
+    "InvalidArgumentError",
+    "InvalidTypeError",
     "McoreCompatError",
     "MegatronNotFoundError",
+    "NotFoundError",
     "PatchError",
     "PatchRefusedError",
     "SymbolUnavailableError",
     "UnknownFactError",
+    "UnsupportedFeatureError",
     "UnsupportedVersionError",
 ]
 
 
 class McoreCompatError(RuntimeError):
     """Base class of every error raised by mcore-compat."""
+
+
+class InvalidArgumentError(McoreCompatError, ValueError):
+    """An argument, option or environment variable has a value mcore-compat cannot use, or arguments that do not go
+    together were passed. Also a :class:`ValueError`."""
+
+
+class InvalidTypeError(McoreCompatError, TypeError):
+    """A value of a type mcore-compat cannot use, or an argument the function does not take. Also a
+    :class:`TypeError`."""
+
+
+class NotFoundError(McoreCompatError, KeyError):
+    """A name or key looked up in one of mcore-compat's tables is not there; the message lists what is. Also a
+    :class:`KeyError` (whose ``str()`` is the message itself, not its ``repr()``)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownFactError(NotFoundError):
+    """A fact or capability name that is not in mcore-compat's table."""
+
+
+class UnsupportedFeatureError(McoreCompatError, NotImplementedError):
+    """mcore-compat's stand-in for a library that is not installed (the apex and TransformerEngine stubs), or a
+    Megatron class mcore-compat patched, does not provide what was called. Also a :class:`NotImplementedError`."""
 
 
 class MegatronNotFoundError(McoreCompatError, ImportError):
@@ -27,13 +79,6 @@ class UnsupportedVersionError(McoreCompatError):
 
 class SymbolUnavailableError(McoreCompatError, AttributeError):
     """A symbol of the import surface does not exist in the installed megatron-core."""
-
-
-class UnknownFactError(McoreCompatError, KeyError):
-    """A fact or capability name that is not in mcore-compat's table."""
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0]) if self.args else ""
 
 
 class PatchError(McoreCompatError):

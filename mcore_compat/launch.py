@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from .errors import McoreCompatError
+from .errors import InvalidArgumentError, McoreCompatError
 
 __all__ = ["Group", "RankFailure", "RankTimeout", "default_backend", "destroy_process_groups_since", "free_port",
            "init_from_env", "process_groups", "spawn"]
@@ -228,7 +228,7 @@ class Group:
                  env: dict[str, str] | None = None, pg_timeout: float = 600.0,
                  destroy_subgroups: bool = False) -> None:
         if nprocs < 1:
-            raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+            raise InvalidArgumentError(f"nprocs must be >= 1, got {nprocs}")
         self.nprocs = nprocs
         self._setup = _Setup(backend or default_backend(device), device, dict(env or {}), pg_timeout,
                              destroy_subgroups)

@@ -43,6 +43,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .errors import InvalidArgumentError
+
 __all__ = ["LegacyOptimizer", "build_legacy_optimizer"]
 
 Group = Optional[dist.ProcessGroup]
@@ -196,8 +198,10 @@ class LegacyOptimizer:
                                            _cfg(config, "min_loss_scale", 1.0), _cfg(config, "loss_scale_window", 1000),
                                            _cfg(config, "hysteresis", 2))
         if not self.distributed and any(getattr(c, "use_distributed_optimizer", False) for c in self.model_chunks):
-            raise ValueError("DDP was built with use_distributed_optimizer=True (grads are only reduce-scattered); "
-                             "set use_distributed_optimizer=True in the optimizer config too")
+            raise InvalidArgumentError(
+                "DDP was built with use_distributed_optimizer=True (grads are only reduce-scattered); "
+                "set use_distributed_optimizer=True in the optimizer config too"
+            )
         self._slots: list[_Slot] = []
         self._buckets: list[tuple[_Bucket, list[_Slot]]] = []  # distributed mode: buckets to all-gather
         slots_of = self._build_slots()
@@ -226,8 +230,10 @@ class LegacyOptimizer:
                 for bucket in _buckets(chunk, self._dp_group):
                     world, rank = _size(bucket.group), _rank(bucket.group)
                     if bucket.numel % world:
-                        raise ValueError(f"bucket of {bucket.numel} elements is not padded to the DP size {world}; "
-                                         "build DDP with use_distributed_optimizer=True")
+                        raise InvalidArgumentError(
+                            f"bucket of {bucket.numel} elements is not padded to the DP size {world}; "
+                            "build DDP with use_distributed_optimizer=True"
+                        )
                     lo, hi = rank * bucket.numel // world, (rank + 1) * bucket.numel // world
                     owned = []
                     for param, off in bucket.params:
@@ -255,7 +261,7 @@ class LegacyOptimizer:
                                      betas=(float(_cfg(cfg, "adam_beta1", 0.9)), float(_cfg(cfg, "adam_beta2", 0.999))))
         if kind == "sgd":
             return torch.optim.SGD(groups, lr=lr, weight_decay=wd, momentum=float(_cfg(cfg, "sgd_momentum", 0.9)))
-        raise ValueError(f"{kind!r} optimizer is not supported (use 'adam' or 'sgd')")
+        raise InvalidArgumentError(f"{kind!r} optimizer is not supported (use 'adam' or 'sgd')")
 
     # ----------------------------------------------------------------------------------------------- public API
     @property

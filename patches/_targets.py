@@ -25,7 +25,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..errors import MegatronNotFoundError
+from ..errors import InvalidArgumentError, MegatronNotFoundError
 
 #: Fields of the syntax tree that are not code: left out of the fingerprint (``type_params`` is always empty in
 #: Megatron's code but only exists on Python >= 3.12).
@@ -43,7 +43,7 @@ def module_relpath(module: str) -> list[str]:
     """Where the file of ``megatron.core.<x>`` may be, relative to the ``megatron/core`` directory."""
     parts = module.split(".")
     if parts[:2] != ["megatron", "core"]:
-        raise ValueError(f"a patch target must be in megatron.core, not {module!r}")
+        raise InvalidArgumentError(f"a patch target must be in megatron.core, not {module!r}")
     rel = "/".join(parts[2:])
     return [f"{rel}.py", f"{rel}/__init__.py"] if rel else ["__init__.py"]
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..errors import UnsupportedFeatureError
 from ._registry import Patch, register
 from ._tools import Changes, Undo, install_modules, new_module
 
@@ -61,14 +62,16 @@ class FusedAdam(torch.optim.AdamW):
         master_weights: bool = False,
     ) -> None:
         if amsgrad:
-            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
+            raise UnsupportedFeatureError("FusedAdam does not support the AMSGrad variant.")
         if not bias_correction:
-            raise NotImplementedError("mcore-compat's apex stub: FusedAdam(bias_correction=False) is not supported")
+            raise UnsupportedFeatureError(
+                "mcore-compat's apex stub: FusedAdam(bias_correction=False) is not supported"
+            )
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         if not adam_w_mode:
             for group in self.param_groups:
                 if "decoupled_weight_decay" not in group:
-                    raise NotImplementedError(
+                    raise UnsupportedFeatureError(
                         "mcore-compat's apex stub: FusedAdam(adam_w_mode=False) needs torch.optim.Adam with "
                         "decoupled_weight_decay (torch >= 2.6)"
                     )
@@ -272,7 +275,7 @@ def _refusing_init(qualname: str) -> Callable[..., None]:
     """An ``__init__`` that says ``qualname`` is not part of the TransformerEngine stand-in."""
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(
+        raise UnsupportedFeatureError(
             f"{qualname} is not available: transformer_engine is mcore-compat's stand-in (te_stub), which only "
             f"provides LayerNorm/RMSNorm. Use the local (non-TE) layer spec, or install TransformerEngine."
         )

@@ -8,13 +8,14 @@ from __future__ import annotations
 import types
 from typing import Any
 
+from ..errors import UnsupportedFeatureError
 from ._registry import Patch, register
 from ._tools import Changes, Undo, skipped, when_imported_checked
 
 
 # ------------------------------------------------------------------------------------------ fp32opt_abstract
 def _fp32_sharded_state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError(
+    raise UnsupportedFeatureError(
         "megatron-core 0.6.0's FP32Optimizer has no sharded_state_dict (upstream bug, fixed in 0.7.0); "
         "mcore-compat made the class instantiable, but distributed checkpointing of it is not available"
     )

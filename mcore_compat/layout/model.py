@@ -14,7 +14,7 @@ from typing import Union
 
 import torch
 
-from ..errors import McoreCompatError
+from ..errors import McoreCompatError, NotFoundError
 
 __all__ = [
     "BucketLayout",
@@ -151,12 +151,12 @@ class BufferLayout:
         """The param called ``name``.
 
         Raises:
-            KeyError: no such param in this buffer.
+            NotFoundError: no such param in this buffer.
         """
         for p in self.params:
             if p.name == name:
                 return p
-        raise KeyError(f"no param {name!r} in buffer {self.key}")
+        raise NotFoundError(f"no param {name!r} in buffer {self.key}")
 
     def bucket_params(self, index: int) -> tuple[ParamLayout, ...]:
         """The params of bucket ``index``, in layout order."""
@@ -192,18 +192,18 @@ class ModelLayout:
         """The buffer with ``key``.
 
         Raises:
-            KeyError: with the keys that exist.
+            NotFoundError: with the keys that exist.
         """
         for b in self.buffers:
             if b.key == key:
                 return b
-        raise KeyError(f"no buffer {key}; buffers: {', '.join(str(b.key) for b in self.buffers)}")
+        raise NotFoundError(f"no buffer {key}; buffers: {', '.join(str(b.key) for b in self.buffers)}")
 
     def locate(self, name: str, chunk: int = 0) -> tuple[BufferLayout, ParamLayout]:
         """The buffer and place of param ``name`` of model chunk ``chunk``.
 
         Raises:
-            KeyError: the param is in no buffer of that chunk (frozen, unbuffered or unknown).
+            NotFoundError: the param is in no buffer of that chunk (frozen, unbuffered or unknown).
         """
         for b in self.buffers:
             if b.key.chunk != chunk:
@@ -211,7 +211,7 @@ class ModelLayout:
             for p in b.params:
                 if p.name == name:
                     return b, p
-        raise KeyError(f"param {name!r} of chunk {chunk} is in no buffer")
+        raise NotFoundError(f"param {name!r} of chunk {chunk} is in no buffer")
 
     def params(self) -> Iterator[tuple[BufferLayout, ParamLayout]]:
         """Every ``(buffer, param)`` pair, buffer by buffer in layout order."""

@@ -30,6 +30,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..errors import InvalidArgumentError
 from .report import Check, Report, merge_rank_checks
 
 __all__ = ["check_training_step"]
@@ -39,7 +40,7 @@ def _materialize(data_iterator: Any, n_chunks: int, num_microbatches: int) -> li
     """Per chunk, the micro-batches its iterator yields in one step (``None`` where the stage reads none)."""
     iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator] * n_chunks
     if isinstance(data_iterator, list) and len(iterators) != n_chunks:
-        raise ValueError(f"data_iterator: {len(iterators)} iterators for {n_chunks} model chunks")
+        raise InvalidArgumentError(f"data_iterator: {len(iterators)} iterators for {n_chunks} model chunks")
     out: list[list[Any] | None] = []
     taken: dict[int, list[Any]] = {}
     for it in iterators:

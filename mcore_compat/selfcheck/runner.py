@@ -8,11 +8,17 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
+from ..errors import McoreCompatError
 from ..launch import Group, RankFailure, RankTimeout, spawn
 from .options import SelfCheckOptions, UsageError
 from .report import Check, Report, merge_rank_checks
 
 __all__ = ["run", "run_sweep", "standard_sweep"]
+
+
+class _SweepStopped(McoreCompatError):
+    """A configuration of a sweep failed on this rank and the sweep cannot go on (a peer may wait in a collective
+    this rank never joins); the rank ends, and the launcher reports it as a :class:`RankFailure`."""
 
 
 def _under_torchrun(opts: SelfCheckOptions) -> bool:
@@ -118,12 +124,12 @@ def _spawned_sweep(configs: list[SelfCheckOptions]) -> list[tuple[list[Check], d
             # Did every rank get here? A peer may be stuck in a collective this rank never joined: then stop the
             # sweep now (the launcher ends the other ranks) instead of hanging until the timeout.
             if dist.get_backend() != "gloo":
-                raise RuntimeError(f"configuration {index} ({opts.as_dict()}) failed on this rank") from exc
+                raise _SweepStopped(f"configuration {index} ({opts.as_dict()}) failed on this rank") from exc
             try:
                 dist.monitored_barrier(timeout=_PEER_WAIT)
             except RuntimeError as stuck:
-                raise RuntimeError(f"configuration {index} ({opts.as_dict()}) failed on this rank and its peers "
-                                   f"did not follow ({stuck})") from exc
+                raise _SweepStopped(f"configuration {index} ({opts.as_dict()}) failed on this rank and its peers "
+                                    f"did not follow ({stuck})") from exc
             destroy_process_groups_since(before)
     return out
 

@@ -9,7 +9,8 @@ The data lives in ``matrix/versions.toml`` (the single source of truth of suppor
     python -m mcore_compat.support status 0.16.0rc1  # is this release supported?
     python -m mcore_compat.support list              # the releases, with their tags
 
-The modules: :mod:`.model` (:class:`Release`, :class:`SupportStatus`), :mod:`.files` (where ``matrix/`` is),
+The modules: :mod:`.errors` (:class:`MatrixFileError`, :class:`MatrixNotFoundError` and the general errors of
+:mod:`mcore_compat.errors` it raises), :mod:`.model` (:class:`Release`, :class:`SupportStatus`), :mod:`.files` (where ``matrix/`` is),
 :mod:`.parse` (reading ``versions.toml``), :mod:`.matrix` (:class:`Matrix` and the module-level functions),
 :mod:`.render` (the generated README), :mod:`.cli` (the command line).
 
@@ -21,6 +22,7 @@ source files, as a package of its own name.
 from __future__ import annotations
 
 from .cli import main
+from .errors import MatrixFileError, MatrixNotFoundError
 from .matrix import Matrix, base_requirements, record_result, releases, render_table, results, status
 from .model import INSTALL_KINDS, RESULT_KINDS, Release, SupportStatus
 
@@ -28,6 +30,8 @@ __all__ = [
     "INSTALL_KINDS",
     "RESULT_KINDS",
     "Matrix",
+    "MatrixFileError",
+    "MatrixNotFoundError",
     "Release",
     "SupportStatus",
     "base_requirements",

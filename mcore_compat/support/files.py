@@ -8,6 +8,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .errors import MatrixNotFoundError
+
 if TYPE_CHECKING:  # pragma: no cover
     from importlib.resources.abc import Traversable
 
@@ -41,12 +43,14 @@ def default_dir() -> Traversable:
     """Where the matrix is read from: the installed package data, else the source tree's ``matrix/``.
 
     Raises:
-        FileNotFoundError: neither is available.
+        MatrixNotFoundError: neither is available.
     """
     found = package_matrix_dir() or source_matrix_dir()
     if found is None:
-        raise FileNotFoundError("cannot find the support matrix: neither the package data mcore_compat.matrix nor "
-                                "a source tree's matrix/versions.toml is available")
+        raise MatrixNotFoundError(
+            "cannot find the support matrix: neither the package data mcore_compat.matrix nor "
+            "a source tree's matrix/versions.toml is available"
+        )
     return found
 
 
@@ -54,14 +58,16 @@ def writable_dir(path: str | os.PathLike[str] | None) -> Path:
     """Where results and the README are written: ``path``, else the source tree's ``matrix/``.
 
     Raises:
-        FileNotFoundError: ``path`` is ``None`` and no source tree is found.
+        MatrixNotFoundError: ``path`` is ``None`` and no source tree is found.
     """
     if path is not None:
         return Path(path)
     found = source_matrix_dir()
     if found is None:
-        raise FileNotFoundError("results are written to the source tree's matrix/ directory, which was not found "
-                                "(run from the repository root or pass path=...)")
+        raise MatrixNotFoundError(
+            "results are written to the source tree's matrix/ directory, which was not found "
+            "(run from the repository root or pass path=...)"
+        )
     return found
 
 

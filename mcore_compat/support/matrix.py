@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from packaging.version import Version
 
+from .errors import InvalidArgumentError, MatrixFileError, NotFoundError
 from .files import README_FILE, RESULTS_FILE, VERSIONS_FILE, atomic_write, default_dir, writable_dir
 from .model import RESULT_KINDS, Release, SupportStatus
 from .parse import computed_tags, parse_release, python_key
@@ -57,13 +58,20 @@ class Matrix:
         return _toml.loads(self._data.joinpath(VERSIONS_FILE).read_text(encoding="utf-8"))
 
     def releases(self) -> list[Release]:
-        """All listed releases, oldest first, with their computed tags."""
+        """All listed releases, oldest first, with their computed tags.
+
+        Raises:
+            MatrixFileError: ``versions.toml`` is malformed.
+        """
         raw = self.raw()
         bases = raw.get("base", {})
         parsed = sorted((parse_release(e, bases) for e in raw.get("release", [])), key=lambda r: r.version)
         seen = [r.version for r in parsed]
         if len(set(seen)) != len(seen):
-            raise ValueError("versions.toml lists a release twice")
+            twice = sorted({str(v) for v in seen if seen.count(v) > 1})
+            raise MatrixFileError(
+                f"versions.toml lists a release twice: {', '.join(twice)} (keep one entry of each)"
+            )
         return [Release(**{**vars(r), "tags": computed_tags(r, parsed)}) for r in parsed]
 
     def release(self, version: str | Version) -> Release | None:
@@ -76,11 +84,15 @@ class Matrix:
         return sorted(self.raw().get("base", {}), key=lambda p: tuple(int(x) for x in p.split(".")))
 
     def base_requirements(self, python: str) -> list[str]:
-        """The requirements of the shared base environment of ``python`` (``"3.11"`` or ``"3.11.7"``)."""
+        """The requirements of the shared base environment of ``python`` (``"3.11"`` or ``"3.11.7"``).
+
+        Raises:
+            NotFoundError: ``versions.toml`` has no base environment for ``python``.
+        """
         key = python_key(python)
         bases = self.raw().get("base", {})
         if key not in bases:
-            raise KeyError(f"versions.toml has no [base.\"{key}\"] table (have: {sorted(bases)})")
+            raise NotFoundError(f"versions.toml has no [base.\"{key}\"] table (have: {sorted(bases)})")
         return [str(r) for r in bases[key].get("requirements", [])]
 
     def results(self) -> dict[str, dict[str, dict[str, Any]]]:
@@ -124,14 +136,23 @@ class Matrix:
             result: at least ``{"result": "pass" | "fail"}``; usually also ``python``, ``torch``, pytest counts
                 (``passed``, ``failed``, ``skipped``, ``errors``) or per-check results (``checks``) and ``details``.
                 ``date`` defaults to today (UTC).
+
+        Raises:
+            InvalidArgumentError: ``version`` is not listed, or ``kind`` or ``result["result"]`` is not known.
         """
         release = self.release(version)
         if release is None:
-            raise ValueError(f"{version} is not a listed release; results are recorded only for listed releases")
+            raise InvalidArgumentError(
+                f"{version} is not a listed release; results are recorded only for listed "
+                f"releases (add it to versions.toml first)"
+            )
         if kind not in RESULT_KINDS:
-            raise ValueError(f"kind must be one of {RESULT_KINDS}, not {kind!r}")
+            raise InvalidArgumentError(f"kind must be one of {RESULT_KINDS}, not {kind!r}")
         if result.get("result") not in _RESULT_VALUES:
-            raise ValueError(f"result['result'] must be one of {_RESULT_VALUES}, not {result.get('result')!r}")
+            raise InvalidArgumentError(
+                f"result['result'] must be one of {_RESULT_VALUES}, "
+                f"not {result.get('result')!r}"
+            )
         entry = {"date": _dt.datetime.now(_dt.timezone.utc).date().isoformat(), **dict(result)}
         json.dumps(entry)  # fail early on values that cannot be stored
         target = writable_dir(self._results_dir) / RESULTS_FILE

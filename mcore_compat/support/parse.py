@@ -8,6 +8,7 @@ from typing import Any
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from .errors import InvalidArgumentError, MatrixFileError
 from .model import INSTALL_KINDS, LIMIT_FIELDS, Release
 
 __all__ = ["computed_tags", "parse_release", "python_key"]
@@ -17,13 +18,17 @@ _RELEASE_KEYS = frozenset({"version", "python", "requires_python", "torch", "num
 
 
 def python_key(python: str) -> str:
-    """``"3.11.7"`` / ``"3.11"`` / ``"py311"`` -> ``"3.11"``."""
+    """``"3.11.7"`` / ``"3.11"`` / ``"py311"`` -> ``"3.11"``.
+
+    Raises:
+        InvalidArgumentError: ``python`` is not a Python version.
+    """
     text = python.removeprefix("py")
     if "." not in text and len(text) >= 2:
         text = f"{text[0]}.{text[1:]}"
     parts = text.split(".")
     if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
-        raise ValueError(f"not a Python version: {python!r}")
+        raise InvalidArgumentError(f"not a Python version: {python!r}")
     return f"{parts[0]}.{parts[1]}"
 
 
@@ -32,7 +37,9 @@ def _check_specifier(version: str, name: str, value: str) -> None:
         try:
             SpecifierSet(value)
         except InvalidSpecifier as exc:
-            raise ValueError(f"versions.toml, release {version}: {name} = {value!r} is not a specifier") from exc
+            raise MatrixFileError(
+                f"versions.toml, release {version}: {name} = {value!r} is not a specifier"
+            ) from exc
 
 
 def parse_release(entry: Mapping[str, Any], bases: Mapping[str, Any]) -> Release:
@@ -43,25 +50,32 @@ def parse_release(entry: Mapping[str, Any], bases: Mapping[str, Any]) -> Release
         bases: the ``[base."3.11"]``-style tables (the release's python must have one).
 
     Raises:
-        ValueError: unknown keys, a bad version or specifier, a python without base, a bad install kind.
+        MatrixFileError: unknown keys, a bad version or specifier, a python without base, a bad install kind.
     """
     raw_version = str(entry.get("version", ""))
     unknown = set(entry) - _RELEASE_KEYS
     if unknown:
-        raise ValueError(f"versions.toml, release {raw_version}: unknown keys {sorted(unknown)}")
+        raise MatrixFileError(f"versions.toml, release {raw_version}: unknown keys {sorted(unknown)}")
     try:
         version = Version(raw_version)
     except InvalidVersion as exc:
-        raise ValueError(f"versions.toml: bad release version {raw_version!r}") from exc
-    python = python_key(str(entry.get("python", "")))
+        raise MatrixFileError(f"versions.toml: bad release version {raw_version!r}") from exc
+    try:
+        python = python_key(str(entry.get("python", "")))
+    except InvalidArgumentError as exc:
+        raise MatrixFileError(f"versions.toml, release {version}: {exc}") from exc
     if python not in bases:
-        raise ValueError(f"versions.toml, release {version}: no [base.\"{python}\"] table for python {python}")
+        raise MatrixFileError(
+            f"versions.toml, release {version}: no [base.\"{python}\"] table for python {python}"
+        )
     install = str(entry.get("install", "wheel"))
     if install not in INSTALL_KINDS:
-        raise ValueError(f"versions.toml, release {version}: install must be one of {INSTALL_KINDS}")
+        raise MatrixFileError(f"versions.toml, release {version}: install must be one of {INSTALL_KINDS}")
     wheel_python = str(entry.get("wheel_python", ""))
     if install == "unpack-wheel" and not wheel_python:
-        raise ValueError(f"versions.toml, release {version}: install = 'unpack-wheel' needs wheel_python")
+        raise MatrixFileError(
+            f"versions.toml, release {version}: install = 'unpack-wheel' needs wheel_python"
+        )
     for name in LIMIT_FIELDS:
         _check_specifier(raw_version, name, str(entry.get(name, "")))
     return Release(version=version, python=python, install=install, wheel_python=wheel_python,

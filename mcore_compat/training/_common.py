@@ -9,6 +9,7 @@ from typing import Any
 
 from packaging.version import Version
 
+from ..errors import InvalidTypeError
 from ..rank0 import warn_once_rank_0
 
 
@@ -99,7 +100,7 @@ def config_items(value: Any, what: str) -> tuple[dict[str, Any], dict[str, Any]]
     (empty for a mapping).
 
     Raises:
-        TypeError: ``value`` is neither; the message says what to pass (``what``).
+        InvalidTypeError: ``value`` is neither; the message says what to pass (``what``).
     """
     if isinstance(value, Mapping):
         return dict(value), {}
@@ -107,4 +108,4 @@ def config_items(value: Any, what: str) -> tuple[dict[str, Any], dict[str, Any]]
         items = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
         defaults = {f.name: f.default for f in dataclasses.fields(value) if f.default is not dataclasses.MISSING}
         return items, defaults
-    raise TypeError(f"cannot use {type(value).__name__} as {what}")
+    raise InvalidTypeError(f"cannot use {type(value).__name__} as {what}")

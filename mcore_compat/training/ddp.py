@@ -19,7 +19,7 @@ from packaging.version import Version
 
 from .._fact_table import DDP_SETTINGS
 from ..capabilities import fact, fact_row, has
-from ..errors import UnsupportedVersionError
+from ..errors import InvalidArgumentError, UnsupportedVersionError
 from ._common import (
     as_chunk_list,
     config_items,
@@ -252,7 +252,7 @@ def _group_kwargs(version: Version, dp_group: Any, expert_group: Any, pg_collect
             raise UnsupportedVersionError(f"`pg_collection` needs megatron-core 0.15+; installed {version}. Pass "
                                           f"data_parallel_group= instead.")
         if dp_group is not None or expert_group is not None:
-            raise ValueError("pass either pg_collection or explicit data-parallel groups, not both")
+            raise InvalidArgumentError("pass either pg_collection or explicit data-parallel groups, not both")
         return {"pg_collection": pg_collection}
     dp_group, expert_group = _explicit_groups(version, dp_group, expert_group)
     if source == "ctor":
@@ -323,7 +323,9 @@ def wrap_ddp(
     flags = ([bool(disable_bucketing)] * len(chunks) if isinstance(disable_bucketing, bool)
              else [bool(f) for f in disable_bucketing])
     if len(flags) != len(chunks):
-        raise ValueError(f"disable_bucketing has {len(flags)} entries for {len(chunks)} model chunks")
+        raise InvalidArgumentError(
+            f"disable_bucketing has {len(flags)} entries for {len(chunks)} model chunks"
+        )
     style = fact("ddp_ctor", version)
     cls = mcore("distributed.distributed_data_parallel").DistributedDataParallel
     ddp_config, optimizer_gathers = _param_gather_request(ddp_config, version)

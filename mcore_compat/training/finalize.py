@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..capabilities import fact
-from ..errors import McoreCompatError, UnsupportedVersionError
+from ..errors import InvalidArgumentError, InvalidTypeError, McoreCompatError, UnsupportedVersionError
 from ._common import as_chunk_list, installed_version, mcore, model_config, unique
 from .param_sync import overlaps_param_gather
 
@@ -70,7 +70,7 @@ def finalize_model_grads(model: Any, num_tokens: Any = None, **kwargs: Any) -> N
             raise UnsupportedVersionError(f"force_all_reduce needs megatron-core 0.16+; installed {version}")
         call["force_all_reduce"] = force
     if kwargs:
-        raise TypeError(f"finalize_model_grads got unexpected argument(s) {sorted(kwargs)}")
+        raise InvalidTypeError(f"finalize_model_grads got unexpected argument(s) {sorted(kwargs)}")
     fn = mcore("distributed.finalize_model_grads").finalize_model_grads
     if "num_tokens" in call:  # positional in every release that has it
         nt = call.pop("num_tokens")
@@ -115,7 +115,7 @@ def install_training_hooks(
     version = installed_version()
     chunks, _ = as_chunk_list(model_chunks)
     if not chunks:
-        raise ValueError("install_training_hooks needs at least one model chunk")
+        raise InvalidArgumentError("install_training_hooks needs at least one model chunk")
     ddp_cfgs = [_ddp_config(c) for c in chunks]
     overlap_grad = any(bool(getattr(d, "overlap_grad_reduce", False)) for d in ddp_cfgs if d is not None)
     overlap_param = any(overlaps_param_gather(c) for c in chunks)

@@ -20,7 +20,7 @@ from typing import Any
 from packaging.version import Version
 
 from ..capabilities import fact, has
-from ..errors import UnsupportedVersionError
+from ..errors import InvalidArgumentError, UnsupportedVersionError
 from ..rank0 import warn_once_rank_0
 from ._common import (
     as_chunk_list,
@@ -192,7 +192,9 @@ def _public(version: Version, config: Any, chunks: list[Any], a: dict[str, Any])
     else:
         if a["config_overrides"] is not None:
             if a["no_weight_decay_cond"] is not None or a["scale_lr_cond"] is not None:
-                raise ValueError("pass config_overrides or no_weight_decay_cond/scale_lr_cond, not both")
+                raise InvalidArgumentError(
+                    "pass config_overrides or no_weight_decay_cond/scale_lr_cond, not both"
+                )
             kwargs["config_overrides"] = a["config_overrides"]
         elif a["no_weight_decay_cond"] is not None or a["scale_lr_cond"] is not None:
             kwargs["config_overrides"] = _conds_to_overrides(config, a["no_weight_decay_cond"],
@@ -328,9 +330,10 @@ def _check_buffer_groups(buffers: Mapping[int, Any], dp_group: Any) -> None:
         for buf in chunk_buffers:
             group = getattr(buf, "data_parallel_group", None)
             if group is not None and not same_group(group, dp_group):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"the DDP buffers are sharded over ranks {group_ranks(group)} but the optimizer was given "
-                    f"data_parallel_group ranks {group_ranks(dp_group)}; they must be the same group")
+                    f"data_parallel_group ranks {group_ranks(dp_group)}; they must be the same group"
+                )
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..capabilities import fact
+from ..errors import InvalidArgumentError
 from ._common import as_chunk_list, installed_version
 
 __all__ = ["finish_param_sync", "overlaps_param_gather"]
@@ -68,7 +69,9 @@ def finish_param_sync(model_chunks: Any, optimizer: Any = None, *, keep_overlap:
         return True
     if owner == "optimizer":
         if optimizer is None:
-            raise ValueError("finish_param_sync needs the optimizer on this release (it owns the param gather)")
+            raise InvalidArgumentError(
+                "finish_param_sync needs the optimizer on this release (it owns the param gather)"
+            )
         done = False
         for opt in _optimizers(optimizer):
             if getattr(opt, "overlap_param_gather", False):

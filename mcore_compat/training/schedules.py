@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..capabilities import fact, has
-from ..errors import UnsupportedVersionError
+from ..errors import InvalidArgumentError, UnsupportedVersionError
 from ..rank0 import warn_once_rank_0
 from ._common import as_chunk_list, installed_version, mcore, model_config
 
@@ -27,20 +27,26 @@ def _check_virtual_stages(chunks: list[Any], data_iterator: Any, vp_size: int | 
     n = len(chunks)
     if not isinstance(data_iterator, list) or len(data_iterator) != n:
         got = f"a list of {len(data_iterator)}" if isinstance(data_iterator, list) else type(data_iterator).__name__
-        raise ValueError(f"{n} model chunks (virtual pipeline stages) need a list of {n} data iterators, one per "
-                         f"chunk (each yields every micro-batch); got {got}")
+        raise InvalidArgumentError(
+            f"{n} model chunks (virtual pipeline stages) need a list of {n} data iterators, one per "
+            f"chunk (each yields every micro-batch); got {got}"
+        )
     ps = mcore("parallel_state")
     stages = vp_size or ps.get_virtual_pipeline_model_parallel_world_size()
     if stages != n:
-        raise ValueError(f"{n} model chunks but {stages} virtual pipeline stages (initialize_model_parallel("
-                         f"virtual_pipeline_model_parallel_size=...) or vp_size=); they must be equal")
+        raise InvalidArgumentError(
+            f"{n} model chunks but {stages} virtual pipeline stages (initialize_model_parallel("
+            f"virtual_pipeline_model_parallel_size=...) or vp_size=); they must be equal"
+        )
     for cfg in {id(c): c for c in (model_config(chunk) for chunk in chunks)}.values():
         current = getattr(cfg, "virtual_pipeline_model_parallel_size", None)
         if current is None and has("interleaved_reads_config_vpp", version):
             cfg.virtual_pipeline_model_parallel_size = n
         elif current is not None and current != n:
-            raise ValueError(f"config.virtual_pipeline_model_parallel_size = {current} but there are {n} model "
-                             f"chunks")
+            raise InvalidArgumentError(
+                f"config.virtual_pipeline_model_parallel_size = {current} but there are {n} model "
+                f"chunks"
+            )
 
 
 def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None) -> Callable[..., Any]:
@@ -116,14 +122,16 @@ def forward_backward(
         _check_virtual_stages(chunks, data_iterator, vp_size, version)
     pipelined = mcore("parallel_state").get_pipeline_model_parallel_world_size() > 1 or (pp_size or 1) > 1
     if pipelined and (seq_length is None or micro_batch_size is None):
-        raise ValueError("seq_length and micro_batch_size are required with pipeline parallelism")
+        raise InvalidArgumentError("seq_length and micro_batch_size are required with pipeline parallelism")
     if hidden_size is not None:
         cfg = model_config(chunks[0])
         current = getattr(cfg, "hidden_size", None)
         if current is None:
             cfg.hidden_size = hidden_size
         elif current != hidden_size:
-            raise ValueError(f"hidden_size={hidden_size} disagrees with the model config's hidden_size={current}")
+            raise InvalidArgumentError(
+                f"hidden_size={hidden_size} disagrees with the model config's hidden_size={current}"
+            )
     kwargs: dict[str, Any] = dict(
         forward_step_func=forward_step_func,
         data_iterator=data_iterator,
