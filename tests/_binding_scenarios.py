@@ -110,7 +110,21 @@ def _buffer_matches_model(binding: Any, chunks: list[Any]) -> bool:
     by_manifest = all(
         torch.equal(flats[e.buffer][e.offset:e.offset + e.numel].view(e.shape), model[e.name].detach())
         for e in manifest.params)
-    return by_manifest and set(views) == set(model) and all(torch.equal(views[n], model[n].detach()) for n in model)
+    by_readme = _readme_consumer(manifest.to_json(), flats)
+    return (by_manifest and set(views) == set(model) and all(torch.equal(views[n], model[n].detach()) for n in model)
+            and set(by_readme) == set(model) and all(torch.equal(by_readme[n], model[n].detach()) for n in model))
+
+
+def _readme_consumer(text: str, buffers: list[Any]) -> dict[str, Any]:
+    """Run README.md's manifest consumer (the python block after "A consumer in plain torch") on a manifest's
+    JSON text and the flat buffers: a consumer written only from the documentation must load the weights."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = readme.split("A consumer in plain torch", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict[str, Any] = {"text": text, "buffers": buffers}
+    exec(compile(block, "README.md (manifest consumer)", "exec"), namespace)
+    return namespace["weights"]
 
 
 def _verify_error(binding: Any) -> str | None:

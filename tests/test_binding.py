@@ -85,6 +85,20 @@ def test_manifest_module_stands_alone_without_a_process_group() -> None:
 
 
 @pytest.mark.unit
+def test_the_readme_consumer_reads_what_the_manifest_says() -> None:
+    """README.md documents the manifest's keys with a plain-torch consumer; that code (run as written) must read
+    every parameter exactly where ``Manifest.views`` does (the real bindings run it too, in every release)."""
+    from _binding_scenarios import _readme_consumer
+
+    m = _manifest()
+    flats = [torch.arange(40, dtype=torch.bfloat16), torch.arange(6, dtype=torch.float32)]
+    weights = _readme_consumer(m.to_json(), flats)
+    views = m.views(flats)
+    assert list(weights) == list(views)
+    assert all(torch.equal(weights[n], views[n]) and weights[n].dtype == views[n].dtype for n in views)
+
+
+@pytest.mark.unit
 def test_manifest_views_slice_buffers_and_check_them() -> None:
     m = _manifest()
     flats = [torch.arange(40, dtype=torch.bfloat16), torch.arange(6, dtype=torch.float32)]
