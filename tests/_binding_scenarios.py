@@ -327,6 +327,70 @@ def case_refusals() -> dict[str, Any]:
     return out
 
 
+#: Parameters the user points into a flat buffer of their own in case_own_buffer (one at storage offset 0).
+OWN_BUFFER_PARAMS = ("fc1.weight", "fc2.bias")
+
+
+def _refusal(fn: Callable[[], Any]) -> str | None:
+    """The text of the BindingError that ``fn`` raises (``None``: it returned)."""
+    from mcore_compat.binding import BindingError
+
+    try:
+        fn()
+        return None
+    except BindingError as exc:
+        return str(exc)
+
+
+def case_own_buffer(distopt: bool) -> dict[str, Any]:
+    """A user points some params of a DDP-wrapped model into a flat buffer of their own (values copied), then
+    calls bind_params: refused, naming them, nothing changed, the buffer still aliases them. Then a clean model
+    (with one param registered twice: tied) binds, a second bind of it is refused while the first one holds the
+    params (allocated) and succeeds after unbind(); zero-copy bindings coexist."""
+    import torch
+
+    from mcore_compat.binding import bind_params
+
+    _init_parallel()
+    chunks, _ = _build(distopt=distopt)
+    model = dict(_core(chunks[0]).named_parameters())
+    mine = [model[n] for n in OWN_BUFFER_PARAMS]
+    offsets = [0, mine[0].numel() + 3]  # the first at storage offset 0 of a larger buffer, a gap, the second
+    user_flat = torch.zeros(offsets[1] + mine[1].numel(), dtype=mine[0].dtype)
+    for p, o in zip(mine, offsets, strict=True):  # the pattern of the report: p.data = my_flat[o:o+n].view(shape)
+        user_flat[o:o + p.numel()].copy_(p.data.reshape(-1))
+        p.data = user_flat[o:o + p.numel()].view(p.shape)
+    ptrs = {n: p.data_ptr() for n, p in model.items()}
+    values = {n: p.detach().clone() for n, p in model.items()}
+    refused = _refusal(lambda: bind_params(chunks))
+    out: dict[str, Any] = {
+        "status": "ok", "refused": refused,
+        "ptrs_unchanged": {n: p.data_ptr() == ptrs[n] for n, p in model.items()},
+        "values_unchanged": {n: torch.equal(p.detach(), values[n]) for n, p in model.items()},
+        "user_buffer_aliases": all(
+            p.data_ptr() == user_flat[o:].data_ptr() and torch.equal(p.detach().reshape(-1),
+                                                                      user_flat[o:o + p.numel()])
+            for p, o in zip(mine, offsets, strict=True)),
+    }
+    # a clean model, with fc1.weight registered a second time (a tied parameter: one Parameter, two names)
+    clean, _ = _build(distopt=distopt, optimizer=False)
+    core = _core(clean[0])
+    core.tied = core.fc1.weight
+    first = bind_params(clean)
+    out["clean_mode"] = first.mode
+    out["clean_names"] = [e.name for e in first.manifest().params]
+    second_ptrs = {n: p.data_ptr() for n, p in core.named_parameters()}
+    out["second"] = _refusal(lambda: bind_params(clean))
+    out["second_ptrs_unchanged"] = all(p.data_ptr() == second_ptrs[n] for n, p in core.named_parameters())
+    out["first_verify"] = _verify_error(first)
+    first.unbind()
+    third = bind_params(clean)
+    out["after_unbind_mode"] = third.mode
+    out["after_unbind_verify"] = _verify_error(third)
+    third.unbind()
+    return out
+
+
 def _stage_model(stage: int) -> Any:
     """Pipeline stage ``stage`` of a 3-layer MLP: stage 0 = ``fc1``; stage 1 = ``fc2`` and ``head``."""
     import importlib
@@ -552,6 +616,8 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
         "unbind-plain": lambda: case_unbind(False),
         "unbind-distopt": lambda: case_unbind(True),
         "refusals": case_refusals,
+        "own-buffer-plain": lambda: case_own_buffer(False),
+        "own-buffer-distopt": lambda: case_own_buffer(True),
         "two-chunks-plain": lambda: case_two_chunks(False),
         "two-chunks-distopt": lambda: case_two_chunks(True),
         "pipeline-distopt": lambda: case_pipeline(True),

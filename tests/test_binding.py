@@ -33,6 +33,7 @@ CHUNK_CASES = [n for n in SCENARIOS.CASE_NAMES if n.startswith("two-chunks-")]
 MXFP8_FLAG_RELEASES = ">=0.13"
 UNBIND_CASES = [n for n in SCENARIOS.CASE_NAMES if n.startswith("unbind-")]
 PIPELINE_CASES = [n for n in SCENARIOS.CASE_NAMES if n.startswith("pipeline-")]
+OWN_BUFFER_CASES = [n for n in SCENARIOS.CASE_NAMES if n.startswith("own-buffer-")]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -170,6 +171,37 @@ def test_unwrapped_model_is_refused_with_what_to_do() -> None:
     assert isinstance(info.value, McoreCompatError)
     with pytest.raises(BindingError, match="at least one"):
         bind_params([])
+
+
+def _slots(params: list[torch.Tensor], zero_copy: bool = False) -> tuple[list[Any], list[bool]]:
+    from mcore_compat.binding.param_binding import Slot
+
+    slots = [Slot(f"p{i}", f"p{i}", 0, p, 0, 0, tuple(p.shape), i) for i, p in enumerate(params)]  # type: ignore[arg-type]
+    return slots, [zero_copy]
+
+
+@pytest.mark.unit
+def test_own_storage_check_names_views_and_spares_the_legitimate() -> None:
+    """Views into a larger storage or at a nonzero offset are refused, all named; own storage, the same Parameter
+    twice (tied), zero-element views and parameters of zero-copy buffers are not."""
+    from mcore_compat.binding.ownership import check_own_storage, storage_problem
+
+    mine = torch.zeros(30)
+    own = torch.nn.Parameter(torch.ones(3, 4))
+    params = [own, own, torch.nn.Parameter(torch.zeros(0)), mine[7:7], torch.ones(2).t()]
+    check_own_storage(*_slots(params))
+    assert storage_problem(own) is None and storage_problem(mine[4:4].view(0, 2)) is None
+    assert storage_problem(mine[0:6]) == "a view at element 0 of a 120-byte storage (the parameter has 24 bytes)"
+    assert storage_problem(mine[6:30]) == "a view at element 6 of a 120-byte storage (the parameter has 96 bytes)"
+    check_own_storage(*_slots([mine[0:6], mine[6:30]], zero_copy=True))  # zero-copy: checked elsewhere
+    views = [mine[i:i + 1].view(()) for i in range(25)]
+    with pytest.raises(BindingError) as info:
+        check_own_storage(*_slots([own, mine[0:6], *views]))
+    text = str(info.value)
+    assert "26 parameter(s) do not own their storage" in text and "\n  p0:" not in text
+    assert "\n  p1: a view at element 0 of a 120-byte storage" in text and "\n  p20: a view at element 18 " in text
+    assert "\n  p21:" not in text and "... and 6 more" in text
+    assert "Nothing was changed" in text and "unbind()" in text and "flat_buffers()" in text
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -336,3 +368,36 @@ def test_several_chunks_frozen_params_and_dtype_filter(results: dict[str, Any], 
         assert r["views_match"] and r["verify_error"] is None
         assert sorted(set(r["buffer_chunks"])) == [0, 1]
         assert r["bf16_only"] == 0 and r["bf16_only_unbound"] == 8 and r["bf16_only_mode"] == "empty"
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", OWN_BUFFER_CASES)
+def test_params_pointed_into_a_buffer_of_yours_are_refused_with_nothing_changed(results: dict[str, Any],
+                                                                                name: str) -> None:
+    """On every release and in both modes: params pointed into the user's own flat buffer are refused, named,
+    nothing is changed and the user's buffer still aliases them; a clean model (one tied param) binds; a second
+    allocated binding of params an earlier one still holds is refused until that one is unbound."""
+    zero_copy = "distopt" in name and _has_param_buffer(results["version"])
+    names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    for r in _get(results, name):
+        text = r["refused"]
+        assert text is not None, "bind_params took over the user's buffer"
+        for n in names:
+            assert (f"\n  {n}: " in text) == (n in SCENARIOS.OWN_BUFFER_PARAMS), (n, text)
+        if zero_copy:  # the zero-copy refusal: not in DDP's param_data
+            assert "param_data" in text and "rebound outside flat buffer" in text
+        else:
+            assert "2 parameter(s) do not own their storage" in text and "Nothing was changed" in text
+            assert "a view at element 0 of a" in text and "unbind()" in text
+        assert list(r["ptrs_unchanged"]) == names and all(r["ptrs_unchanged"].values()), r["ptrs_unchanged"]
+        assert list(r["values_unchanged"]) == names and all(r["values_unchanged"].values()), r["values_unchanged"]
+        assert r["user_buffer_aliases"]
+        assert r["clean_mode"] == ("zero_copy" if zero_copy else "allocated") and r["clean_names"] == names
+        if zero_copy:  # nothing is moved: bindings coexist
+            assert r["second"] is None
+        else:
+            assert r["second"] is not None
+            assert all(f"\n  {n}: already bound by an earlier bind_params; call unbind()" in r["second"]
+                       for n in names), r["second"]
+        assert r["second_ptrs_unchanged"] and r["first_verify"] is None
+        assert r["after_unbind_mode"] == r["clean_mode"] and r["after_unbind_verify"] is None

@@ -12,6 +12,9 @@ there (all-gathered shards), never to ``param.data``; a param rebound elsewhere 
 * **allocated** (no parameter buffer: 0.4/0.5, or 0.6+ without the distributed optimizer): one flat tensor per
   DDP grad buffer, with the same grouping, order, offsets and padding as that grad buffer (read with
   :func:`~mcore_compat.layout.layout_of`); each ``param.data`` is rebound once into it, values copied exactly.
+  Parameters that do not own their storage (pointed into a buffer of yours, or still in an earlier binding's
+  flat buffer) are refused with nothing changed, as zero-copy refuses parameters no longer in ``param_data``:
+  moving them would leave that buffer stale.
   Every optimizer in that situation (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``, the
   ``mcore_compat.legacy_optimizer`` for 0.4/0.5, plain and distributed) writes the update into the *current*
   ``param.data`` (in place, or a main -> model copy through ``param.data``), so binding before or after the

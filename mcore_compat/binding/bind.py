@@ -3,8 +3,8 @@
 The steps: check the chunks (wrapped in Megatron-Core's DDP, no ``ddp_config`` flag that makes ``param_data``
 transient), read their layout (:func:`~mcore_compat.layout.layout_of`), pick one flat buffer per DDP buffer
 (Megatron's own ``param_data`` when there is one, else a new tensor laid out like the grad buffer), check that
-zero-copy parameters really live in ``param_data``, then copy the others into their new buffers and rebind
-their ``.data``.
+zero-copy parameters really live in ``param_data`` and that the others own their storage (all of them, before
+anything changes), then copy the others into their new buffers and rebind their ``.data``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from ..layout import LAYOUT_FACTS, BufferLayout, LayoutError, ModelLayout, layout_of
 from ..layout.read import ddp_buffers, unwrap
 from .errors import BindingError
+from .ownership import check_own_storage, remember
 from .param_binding import ParamBinding, Slot, place_problem
 from .views import dtype_name, numel
 
@@ -177,13 +178,18 @@ def bind_params(model_chunks: Any, *, dtype: torch.dtype | None = None) -> Param
 
     Returns:
         The binding. Names are those of the unwrapped module's ``named_parameters()`` with one chunk, and
-        ``chunk<i>.<name>`` with several. Binding the same chunks again re-allocates the allocated buffers (the
-        earlier binding's :meth:`~ParamBinding.verify` then fails); zero-copy bindings can coexist.
+        ``chunk<i>.<name>`` with several. Parameters of allocated buffers must own their storage: binding
+        them again while an earlier allocated binding still holds them is refused (call its
+        :meth:`~ParamBinding.unbind` first), and so is binding parameters pointed into a buffer of your own
+        (bind first, then hand the binding's flat buffers to whoever reads the weights). Zero-copy bindings
+        move nothing and can coexist. A refused call changes nothing.
 
     Raises:
         BindingError: a chunk is not DDP-wrapped; ``ddp_config.reuse_grad_buf_for_mxfp8_param_ag`` is set;
             parameters of a zero-copy buffer no longer live in it (rebound after DDP was built) or are quantized
-            (FP8/FP4 storage); a 0.4/0.5 grad buffer mixes parameter dtypes and ``dtype`` is not given.
+            (FP8/FP4 storage); parameters of an allocated buffer do not own their storage (a view into a larger
+            buffer: one of your own, or the flat buffer of an earlier binding not unbound); a 0.4/0.5 grad
+            buffer mixes parameter dtypes and ``dtype`` is not given.
     """
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     layout = _read_layout(chunks)
@@ -196,6 +202,8 @@ def bind_params(model_chunks: Any, *, dtype: torch.dtype | None = None) -> Param
     binding = ParamBinding(chunks, bound_layout, out.flats, out.zero_copy, out.slots,
                            _unbound_names(chunks, out.slots))
     _check_zero_copy(out)
+    check_own_storage(out.slots, out.zero_copy)
     _move_into_allocated(out)
     binding.verify()
+    remember(binding)
     return binding
