@@ -28,6 +28,7 @@ from ._probes import (
     any_of,
     asserts_name,
     assigns_constant,
+    assigns_name,
     assigns_self_attr,
     calls_with_constant,
     class_fields,
@@ -42,6 +43,7 @@ from ._probes import (
     reads_attr,
     reads_self_attr,
     top_level_import,
+    uses_string,
 )
 from ._rows import Fact, Row
 from ._rows import flag as F
@@ -62,6 +64,7 @@ _LAYOUT = "megatron.core.optimizer.param_layout"
 _SCHED = "megatron.core.pipeline_parallel.schedules"
 _PS = "megatron.core.parallel_state"
 _PGC = "megatron.core.process_groups_config"
+_OPS = "megatron.core.optimizer_param_scheduler"
 _TCFG = "megatron.core.transformer.transformer_config"
 _GPT_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
 _TE_LAYERS = "megatron.core.transformer.custom_layers.transformer_engine"
@@ -411,6 +414,21 @@ _VALUED_OPTIMIZER: tuple[Fact[Any], ...] = (
     F("param_groups_skip_embedding_wd", ">=0.14,<0.16",
       "_get_param_groups takes default_skip_embedding_weight_decay (optimizer/__init__.py, 0.14-0.15)",
       def_has_param(_OPT, "_get_param_groups", "default_skip_embedding_weight_decay")),
+    F("param_groups_lr_mult_shadowed", ">=0.6,<0.8",
+      "_get_param_groups rebinds its own lr_mult argument inside the loop (optimizer/__init__.py, fixed in 0.8 by "
+      "naming the per-param value _lr_mult): after the first param outside scale_lr_cond every scaled param gets "
+      "lr_mult 1.0",
+      all_of(def_has_param(_OPT, "_get_param_groups", "lr_mult"), assigns_name(_OPT, "_get_param_groups", "lr_mult"))),
+    F("megatron_scheduler", ">=0.9",
+      "megatron.core.optimizer_param_scheduler.OptimizerParamScheduler exists (optimizer_param_scheduler.py, 0.9); "
+      "before it mcore_compat.training.scheduler serves the same signature",
+      defines(_OPS, "OptimizerParamScheduler.step")),
+    F("scheduler_ignores_lr_mult", ">=0.16",
+      "OptimizerParamScheduler.step sets a group's lr from its max_lr/min_lr alone, without the group's lr_mult "
+      "(optimizer_param_scheduler.py, 0.16: per-group lr lives in max_lr/min_lr, config_overrides); before 0.16 "
+      "(and in mcore_compat's own scheduler) lr = schedule(max_lr, min_lr) * lr_mult",
+      all_of(defines(_OPS, "OptimizerParamScheduler.step"),
+             negate(uses_string(_OPS, "OptimizerParamScheduler.step", "lr_mult")))),
 )
 
 # --------------------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ __all__ = [
     "any_of",
     "asserts_name",
     "assigns_constant",
+    "assigns_name",
     "assigns_self_attr",
     "attr_exists",
     "calls_with_constant",
@@ -46,6 +47,7 @@ __all__ = [
     "reads_self_attr",
     "source_of",
     "top_level_import",
+    "uses_string",
 ]
 
 V = TypeVar("V")
@@ -345,6 +347,17 @@ def assigns_constant(module: str, qualname: str, name: str, constant: _Const) ->
     return Probe(probe, (module,))
 
 
+def assigns_name(module: str, qualname: str, name: str) -> Probe[bool]:
+    """Probe: the body of ``module.qualname`` binds the local name ``name`` (any assignment target, tuples too)."""
+
+    def probe() -> bool:
+        root = find_node(module, qualname)
+        return root is not None and any(
+            isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) for n in ast.walk(root))
+
+    return Probe(probe, (module,))
+
+
 def asserts_name(module: str, qualname: str, name: str) -> Probe[bool]:
     """Probe: the body of ``module.qualname`` has an ``assert`` whose condition mentions the name ``name``."""
 
@@ -357,6 +370,17 @@ def asserts_name(module: str, qualname: str, name: str) -> Probe[bool]:
             and any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node.test))
             for node in ast.walk(root)
         )
+
+    return Probe(probe, (module,))
+
+
+def uses_string(module: str, qualname: str, text: str) -> Probe[bool]:
+    """Probe: the body of ``module.qualname`` contains the string constant ``text`` (e.g. a dict key it reads)."""
+
+    def probe() -> bool:
+        root = find_node(module, qualname)
+        return root is not None and any(
+            isinstance(n, ast.Constant) and n.value == text for n in ast.walk(root))
 
     return Probe(probe, (module,))
 

@@ -3,9 +3,11 @@
 :func:`build_legacy_optimizer` reproduces the behaviour of Megatron's own optimizer (``get_megatron_optimizer``
 of 0.6+) on top of the 0.4/0.5 ``DistributedDataParallel`` grad buffers; it is our own code, not a copy.
 
-* **Param groups** as Megatron's ``_get_param_groups``: keyed by ``(wd_mult, lr_mult, is_expert_parallel)``;
-  by default biases and 1-D params get ``wd_mult=0``. Unlike Megatron (where the LR scheduler applies them later)
-  the multipliers are applied at build time: ``lr = config.lr * lr_mult``, ``weight_decay = wd * wd_mult``.
+* **Param groups** as Megatron's ``_get_param_groups``: keyed by ``(wd_mult, lr_mult, is_expert_parallel,
+  is_decoupled_lr)``; by default biases and 1-D params get ``wd_mult=0``; with ``config.decoupled_lr`` the
+  embedding and output-layer weights get ``max_lr = decoupled_lr`` (``min_lr = decoupled_min_lr``, default
+  ``min_lr``). The effective values are set at build time: ``lr = max_lr * lr_mult``, ``weight_decay = wd *
+  wd_mult`` (``get_megatron_optimizer`` does the same on 0.6+; a scheduler keeps them per step).
 * **Main params** are fp32: an fp32 model param is its own main param (updated in place); a bf16/fp16 param gets
   an fp32 master copy, written back (cast) after each step. Grads come from ``param.main_grad`` (the DDP grad
   buffer) when the param has one, else ``param.grad``. Grads must already be data-parallel reduced
@@ -141,10 +143,22 @@ class _GradScaler:
         self.growth_tracker, self.hysteresis_tracker = state["growth_tracker"], state["hysteresis_tracker"]
 
 
+#: Names of the embedding / output-layer weights of 0.4/0.5's GPTModel, which (unlike 0.6+'s LanguageModule,
+#: megatron/core/models/common/language_module/language_module.py) does not mark them
+#: ``is_embedding_or_output_parameter``: the params a decoupled learning rate applies to.
+_EMBEDDING_OR_OUTPUT_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _is_embedding_or_output(name: str, param: torch.nn.Parameter) -> bool:
+    return bool(getattr(param, "is_embedding_or_output_parameter", False)) or name.endswith(_EMBEDDING_OR_OUTPUT_NAMES)
+
+
 def _param_groups(model_chunks: Sequence[torch.nn.Module], no_weight_decay_cond: Optional[Callable[..., bool]],
-                  scale_lr_cond: Optional[Callable[..., bool]], lr_mult: float) -> list[dict[str, Any]]:
-    """Megatron's ``_get_param_groups``: trainable params keyed by ``(wd_mult, lr_mult, is_expert_parallel)``."""
-    groups: dict[tuple[float, float, bool], list[torch.nn.Parameter]] = {}
+                  scale_lr_cond: Optional[Callable[..., bool]], lr_mult: float,
+                  decoupled: bool = False) -> list[dict[str, Any]]:
+    """Megatron's ``_get_param_groups``: trainable params keyed by ``(wd_mult, lr_mult, is_expert_parallel,
+    is_decoupled_lr)``; ``decoupled``: embedding/output params get the decoupled learning rate."""
+    groups: dict[tuple[float, float, bool, bool], list[torch.nn.Parameter]] = {}
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
             if not param.requires_grad:
@@ -152,10 +166,11 @@ def _param_groups(model_chunks: Sequence[torch.nn.Module], no_weight_decay_cond:
             no_wd = (no_weight_decay_cond(name, param) if no_weight_decay_cond is not None
                      else name.endswith(".bias") or param.dim() == 1)
             scale_lr = scale_lr_cond(name, param) if scale_lr_cond is not None else False
-            key = (0.0 if no_wd else 1.0, lr_mult if scale_lr else 1.0, not getattr(param, "allreduce", True))
+            key = (0.0 if no_wd else 1.0, lr_mult if scale_lr else 1.0, not getattr(param, "allreduce", True),
+                   decoupled and _is_embedding_or_output(name, param))
             groups.setdefault(key, []).append(param)
-    return [{"params": ps, "wd_mult": wd, "lr_mult": lm, "is_expert_parallel": ep}
-            for (wd, lm, ep), ps in groups.items()]
+    return [{"params": ps, "wd_mult": wd, "lr_mult": lm, "is_expert_parallel": ep, "is_decoupled_lr": dec}
+            for (wd, lm, ep, dec), ps in groups.items()]
 
 
 def _buckets(chunk: torch.nn.Module, dp_group: Group) -> list[_Bucket]:
@@ -254,8 +269,11 @@ class LegacyOptimizer:
         cfg, kind = self.config, str(_cfg(self.config, "optimizer", "adam")).lower()
         lr, wd = float(_cfg(cfg, "lr", 1e-3)), float(_cfg(cfg, "weight_decay", 0.01))
         min_lr = float(_cfg(cfg, "min_lr", 0.0))
+        decoupled_lr = _cfg(cfg, "decoupled_lr", None)
+        decoupled_min_lr = float(_cfg(cfg, "decoupled_min_lr", min_lr))
         for g in groups:
-            g.update(lr=lr * g["lr_mult"], weight_decay=wd * g["wd_mult"], max_lr=lr, min_lr=min_lr)
+            max_lr, low = ((float(decoupled_lr), decoupled_min_lr) if g.get("is_decoupled_lr") else (lr, min_lr))
+            g.update(lr=max_lr * g["lr_mult"], weight_decay=wd * g["wd_mult"], max_lr=max_lr, min_lr=low)
         if kind == "adam":
             return torch.optim.AdamW(groups, lr=lr, weight_decay=wd, eps=float(_cfg(cfg, "adam_eps", 1e-8)),
                                      betas=(float(_cfg(cfg, "adam_beta1", 0.9)), float(_cfg(cfg, "adam_beta2", 0.999))))
@@ -413,7 +431,8 @@ def build_legacy_optimizer(config: Any, model_chunks: Sequence[torch.nn.Module] 
         config: Megatron ``OptimizerConfig``-like fields (dataclass, dict or namespace): ``optimizer``, ``lr``,
             ``min_lr``, ``weight_decay``, ``fp16``, ``bf16``, ``loss_scale``, ``initial_loss_scale``,
             ``min_loss_scale``, ``loss_scale_window``, ``hysteresis``, ``adam_beta1/2``, ``adam_eps``,
-            ``sgd_momentum``, ``use_distributed_optimizer``, ``clip_grad``, ``log_num_zeros_in_grad``.
+            ``sgd_momentum``, ``use_distributed_optimizer``, ``clip_grad``, ``log_num_zeros_in_grad``,
+            ``decoupled_lr``, ``decoupled_min_lr``.
         model_chunks: the model chunks (0.4/0.5 ``DistributedDataParallel`` or plain modules).
         no_weight_decay_cond: ``(name, param) -> bool``; default: biases and 1-D params.
         scale_lr_cond: ``(name, param) -> bool`` selecting params whose lr is multiplied by ``lr_mult``.
@@ -441,5 +460,6 @@ def build_legacy_optimizer(config: Any, model_chunks: Sequence[torch.nn.Module] 
             edp_rank = _rank(edp())
         except (AssertionError, RuntimeError):  # no expert groups
             edp_rank = 0
-    groups = _param_groups(chunks, no_weight_decay_cond, scale_lr_cond, lr_mult)
+    groups = _param_groups(chunks, no_weight_decay_cond, scale_lr_cond, lr_mult,
+                           decoupled=_cfg(config, "decoupled_lr", None) is not None)
     return LegacyOptimizer(config, chunks, groups, data_parallel_group, model_parallel_group, tp_rank, edp_rank)

@@ -171,9 +171,9 @@ def _gather_full(module: Any, tp: int) -> dict[str, Any]:
 def _reference(init: dict[str, Any], dp_ranks: list[int], decay_1d: bool) -> dict[str, Any]:
     """One step of plain PyTorch on the unsharded model over the data of all DP ranks.
 
-    ``decay_1d``: weight decay on biases too. Megatron-Core's optimizers (0.6+) build the torch optimizer with one
-    ``weight_decay`` and leave ``wd_mult`` to the LR scheduler, so a step without the scheduler decays every
-    parameter; mcore_compat.legacy_optimizer (0.4/0.5) applies ``wd_mult`` (no decay on 1-D params) at once.
+    ``decay_1d``: weight decay on biases too (the ``native`` cases pass ``no_weight_decay_cond=lambda *_: False``);
+    otherwise biases are not decayed, on every release, without a scheduler (``get_megatron_optimizer`` sets the
+    effective weight decay per group; tests/test_param_groups.py).
     """
     import torch
 
@@ -318,8 +318,7 @@ def _run_case(case: Case, one_rank_groups: list[Any]) -> dict[str, Any]:
                 out.setdefault("check_errors", []).append(str(exc))
     losses = [float(d["loss"]) for d in stored]
     ok, grad_norm, _ = mt.optimizer_step(optimizer)
-    legacy = type(optimizer).__module__ == "mcore_compat.legacy_optimizer"
-    ref = _reference(init, dp_ranks, decay_1d=not legacy or case.native)
+    ref = _reference(init, dp_ranks, decay_1d=case.native)
     got = _gather_full(chunks[0].module, case.tp)
     out.update(
         status="ok",

@@ -9,7 +9,11 @@
     mt.install_training_hooks(model, opt)          # finalize_model_grads_func & co. on the real config
     mt.zero_grad_buffer(model, opt)
     losses = mt.forward_backward(forward_step, data_iter, model, num_microbatches=4)
+    sched = mt.optimizer_param_scheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=10,
+                                         lr_decay_steps=1000, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+                                         wd_incr_steps=1000, wd_incr_style="constant")
     ok, grad_norm, num_zeros = mt.optimizer_step(opt)
+    sched.step(1)
 """
 
 from __future__ import annotations
@@ -28,15 +32,19 @@ from .optimizer import (
     optimizer_step,
     set_lr_and_weight_decay,
 )
+from .param_groups import effective_lr_and_weight_decay
 from .param_sync import finish_param_sync
+from .scheduler import ParamScheduler, optimizer_param_scheduler
 from .schedules import forward_backward, get_forward_backward_func
 
 __all__ = [
     "DDPConfig",
     "MissingTrainingHookError",
     "OptimConfig",
+    "ParamScheduler",
     "check_training_hooks",
     "ddp_config_of",
+    "effective_lr_and_weight_decay",
     "finalize_model_grads",
     "finish_param_sync",
     "forward_backward",
@@ -44,6 +52,7 @@ __all__ = [
     "get_megatron_optimizer",
     "install_training_hooks",
     "optimizer_config_of",
+    "optimizer_param_scheduler",
     "optimizer_step",
     "set_lr_and_weight_decay",
     "wrap_ddp",

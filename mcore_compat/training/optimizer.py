@@ -10,10 +10,11 @@ Releases 0.4/0.5 have no ``megatron.core.optimizer``; they are served by
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,27 +154,127 @@ def optimizer_config_of(config: Any, version: Version | None = None) -> Any:
 # parameter-group conditions -> 0.16+ config_overrides
 # ----------------------------------------------------------------------------------------------------------------
 
+def _default_no_weight_decay(name: str, param: Any) -> bool:
+    """Megatron's default no-decay rule (optimizer/__init__.py ``_get_param_groups``): biases and 1-D params."""
+    return name.endswith(".bias") or len(param.shape) == 1
+
+
+def _skip_embedding_no_weight_decay(name: str, param: Any) -> bool:
+    """The default rule plus embeddings (0.14/0.15's ``default_skip_embedding_weight_decay``)."""
+    return _default_no_weight_decay(name, param) or "embedding" in name
+
+
+def _is_decoupled(name: str, param: Any) -> bool:
+    return bool(getattr(param, "is_embedding_or_output_parameter", False))
+
+
+def _scaled(value: float | None, mult: float) -> float | None:
+    return None if value is None else value * mult
+
+
 def _conds_to_overrides(config: Any, no_weight_decay_cond: Callable | None, scale_lr_cond: Callable | None,
                         lr_mult: float) -> Any:
     """Translate the pre-0.16 ``no_weight_decay_cond/scale_lr_cond/lr_mult`` into 0.16+ ``config_overrides``.
 
-    Same grouping as the pre-0.16 ``_get_param_groups``: ``wd_mult=0`` where ``no_weight_decay_cond(name,
-    param)`` (default: biases and 1-D params), ``lr_mult`` where ``scale_lr_cond(name, param)``, decoupled LR for
-    embedding/output params when ``config.decoupled_lr`` is set.
+    Same effective values as the pre-0.16 ``_get_param_groups`` with its scheduler: ``wd_mult=0`` where
+    ``no_weight_decay_cond(name, param)`` (default: biases and 1-D params); decoupled LR for embedding/output
+    params when ``config.decoupled_lr`` is set; and, where ``scale_lr_cond(name, param)``, the group's
+    ``max_lr``/``min_lr`` times ``lr_mult`` - from 0.16 the scheduler ignores ``lr_mult`` (fact
+    ``scheduler_ignores_lr_mult``), so the scaled learning rate has to live in ``max_lr``/``min_lr``. The keys are
+    disjoint (0.16 refuses two overrides that set ``max_lr`` differently for one param).
     """
     opt = mcore("optimizer")
     occ = mcore("optimizer.optimizer_config")
-    overrides = dict(opt.get_standard_config_overrides(config))
+
+    def key(name: str, cond: Callable[[str, Any], bool]) -> Any:
+        pred = occ.ParamWithNamePredicate(name=name, fn=lambda param, pname: bool(cond(pname, param)))
+        return occ.ParamKey(with_name_predicate=pred)
+
+    standard = dict(opt.get_standard_config_overrides(config))
+    # The standard no-decay key (it honours apply_wd_to_qk_layernorm) unless the caller gave a condition.
+    overrides = {k: v for k, v in standard.items() if "wd_mult" in v and no_weight_decay_cond is None}
     if no_weight_decay_cond is not None:
-        overrides = {k: v for k, v in overrides.items() if "wd_mult" not in v}
-        pred = occ.ParamWithNamePredicate(name="mcore_compat_no_weight_decay_cond",
-                                          fn=lambda param, name: bool(no_weight_decay_cond(name, param)))
-        overrides[occ.ParamKey(with_name_predicate=pred)] = {"wd_mult": 0.0}
-    if scale_lr_cond is not None and lr_mult != 1.0:
-        pred = occ.ParamWithNamePredicate(name="mcore_compat_scale_lr_cond",
-                                          fn=lambda param, name: bool(scale_lr_cond(name, param)))
-        overrides[occ.ParamKey(with_name_predicate=pred)] = {"lr_mult": lr_mult}
+        overrides[key("mcore_compat_no_weight_decay_cond", no_weight_decay_cond)] = {"wd_mult": 0.0}
+    scale = scale_lr_cond if scale_lr_cond is not None and lr_mult != 1.0 else None
+    decoupled = config.decoupled_lr is not None
+    dlr = config.decoupled_lr
+    dmin = config.decoupled_min_lr if config.decoupled_min_lr is not None else config.min_lr
+
+    def scaled(n: str, p: Any) -> bool:
+        return scale is not None and bool(scale(n, p))
+
+    if decoupled:
+        overrides[key("mcore_compat_decoupled_lr", lambda n, p: _is_decoupled(n, p) and not scaled(n, p))] = {
+            "max_lr": dlr, "min_lr": dmin}
+    if scale is not None:
+        overrides[key("mcore_compat_scale_lr_cond", lambda n, p: scaled(n, p) and not (
+            decoupled and _is_decoupled(n, p)))] = {"max_lr": config.lr * lr_mult,
+                                                    "min_lr": _scaled(config.min_lr, lr_mult)}
+        if decoupled:
+            overrides[key("mcore_compat_decoupled_scaled_lr", lambda n, p: scaled(n, p) and _is_decoupled(n, p))] = {
+                "max_lr": dlr * lr_mult, "min_lr": _scaled(dmin, lr_mult)}
     return overrides
+
+
+def _v6_param_groups(model_chunks: list[Any], no_weight_decay_cond: Callable | None,
+                     scale_lr_cond: Callable | None, lr_mult: float,
+                     use_decoupled_learning_rate: bool) -> list[dict[str, Any]]:
+    """0.6/0.7's ``_get_param_groups`` (same signature and group keys) without its bug: it rebinds its own
+    ``lr_mult`` argument in the loop, so params of ``scale_lr_cond`` visited after any other param get
+    ``lr_mult=1.0`` (fact ``param_groups_lr_mult_shadowed``)."""
+    groups: dict[tuple[float, float, bool, bool], list[Any]] = {}
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad:
+                continue
+            no_wd = (no_weight_decay_cond(name, param) if no_weight_decay_cond is not None
+                     else _default_no_weight_decay(name, param))
+            scale = bool(scale_lr_cond(name, param)) if scale_lr_cond is not None else False
+            key = (0.0 if no_wd else 1.0, lr_mult if scale else 1.0, not getattr(param, "allreduce", True),
+                   use_decoupled_learning_rate and _is_decoupled(name, param))
+            groups.setdefault(key, []).append(param)
+    return [{"params": params, "wd_mult": wd, "lr_mult": lm, "is_expert_parallel": ep, "is_decoupled_lr": dec}
+            for (wd, lm, ep, dec), params in groups.items()]
+
+
+@contextlib.contextmanager
+def _unshadowed_lr_mult(version: Version, a: dict[str, Any]) -> Iterator[None]:
+    """While Megatron's public builder runs on a release with ``param_groups_lr_mult_shadowed``, and only when a
+    ``scale_lr_cond`` with ``lr_mult != 1`` is given, its module-level ``_get_param_groups`` is
+    :func:`_v6_param_groups` (restored afterwards)."""
+    if not (has("param_groups_lr_mult_shadowed", version) and a["scale_lr_cond"] is not None
+            and a["lr_mult"] != 1.0):
+        yield
+        return
+    module = mcore("optimizer")
+    original = module._get_param_groups
+    module._get_param_groups = _v6_param_groups
+    try:
+        yield
+    finally:
+        module._get_param_groups = original
+
+
+def _set_group_lr(group: dict[str, Any], lr: float) -> None:
+    current = group.get("lr")
+    if hasattr(current, "fill_"):  # a tensor learning rate: keep the tensor
+        current.fill_(lr)
+    else:
+        group["lr"] = lr
+
+
+def _apply_lr_and_weight_decay(optimizer: Any, lr: float | None, weight_decay: float, base_lr: float | None,
+                               version: Version) -> None:
+    """Give every group the (lr, weight decay) the release's scheduler would give it for a constant schedule at
+    ``lr``: ``max_lr / base_lr * lr`` (decoupled and, on 0.16+, scaled groups keep their ratio) times
+    ``lr_mult`` where the scheduler multiplies by it, and ``weight_decay * wd_mult``."""
+    mult = not has("scheduler_ignores_lr_mult", version)
+    for group in optimizer.param_groups:
+        if lr is not None:
+            peak = group.get("max_lr")
+            ratio = peak / base_lr if peak is not None and base_lr else 1.0
+            _set_group_lr(group, lr * ratio * (float(group.get("lr_mult", 1.0)) if mult else 1.0))
+        group["weight_decay"] = weight_decay * float(group.get("wd_mult", 1.0))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -204,18 +305,13 @@ def _public(version: Version, config: Any, chunks: list[Any], a: dict[str, Any])
     else:
         drop_or_raise("use_gloo_process_groups", a["use_gloo_process_groups"], True, version, harmful=False,
                       why="gloo groups are created by parallel_state and only used for checkpointing")
-    if "default_skip_embedding_weight_decay" in accepted:
-        kwargs["default_skip_embedding_weight_decay"] = a["default_skip_embedding_weight_decay"]
-    else:
-        drop_or_raise("default_skip_embedding_weight_decay", a["default_skip_embedding_weight_decay"], False,
-                      version, harmful=False,
-                      why="weight-decay multipliers only act through OptimizerParamScheduler")
     if a["pg_collection"] is not None:
         if "pg_collection" not in accepted:
             raise UnsupportedVersionError(f"pg_collection needs megatron-core 0.15+; installed {version}")
         kwargs["pg_collection"] = a["pg_collection"]
     fn = mcore("optimizer").get_megatron_optimizer
-    return fn(config, chunks, **kwargs)
+    with _unshadowed_lr_mult(version, a):
+        return fn(config, chunks, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -234,19 +330,13 @@ def _param_groups(version: Version, config: Any, chunks: list[Any], a: dict[str,
         raise UnsupportedVersionError(f"config_overrides needs megatron-core 0.16+; installed {version}")
     conds = (a["no_weight_decay_cond"], a["scale_lr_cond"], a["lr_mult"])
     if style == "v6":
-        groups = opt._get_param_groups(chunks, *conds, use_decoupled_learning_rate=config.decoupled_lr is not None)
+        build = _v6_param_groups if has("param_groups_lr_mult_shadowed", version) else opt._get_param_groups
+        groups = build(chunks, *conds, use_decoupled_learning_rate=config.decoupled_lr is not None)
         return opt._update_min_and_max_lr_in_param_groups(
             groups, lr=config.lr, min_lr=config.min_lr, decoupled_lr=config.decoupled_lr,
             decoupled_min_lr=config.decoupled_min_lr)
-    extra = {}
-    if has("param_groups_skip_embedding_wd", version):
-        extra["default_skip_embedding_weight_decay"] = a["default_skip_embedding_weight_decay"]
-    else:
-        drop_or_raise("default_skip_embedding_weight_decay", a["default_skip_embedding_weight_decay"], False,
-                      version, harmful=False, why="weight-decay multipliers only act through OptimizerParamScheduler")
     return opt._get_param_groups(chunks, *conds, lr=config.lr, min_lr=config.min_lr,
-                                 decoupled_lr=config.decoupled_lr, decoupled_min_lr=config.decoupled_min_lr,
-                                 **extra)
+                                 decoupled_lr=config.decoupled_lr, decoupled_min_lr=config.decoupled_min_lr)
 
 
 def _private(version: Version, config: Any, chunks: list[Any], a: dict[str, Any]) -> Any:
@@ -426,8 +516,8 @@ def get_megatron_optimizer(
             distributed optimizer (private builder); a group equal to parallel_state's counts as not given.
         distributed_optimizer_instance_id: 0.10+ (non-zero raises before).
         use_gloo_process_groups: 0.12+ (``False`` is warned about and ignored before).
-        default_skip_embedding_weight_decay: 0.14/0.15 (warned about elsewhere; it only acts through the LR/WD
-            scheduler).
+        default_skip_embedding_weight_decay: no weight decay for embeddings either, when no
+            ``no_weight_decay_cond`` is given (0.14/0.15's flag, applied on every release).
         pg_collection: 0.15+ ``ProcessGroupCollection``.
 
     Returns:
@@ -444,16 +534,26 @@ def get_megatron_optimizer(
                 use_gloo_process_groups=use_gloo_process_groups,
                 default_skip_embedding_weight_decay=default_skip_embedding_weight_decay,
                 pg_collection=pg_collection)
+    # default_skip_embedding_weight_decay: one rule on every release (0.14/0.15's builder takes the flag, the others
+    # a condition that says the same; as on 0.14/0.15 an explicit no_weight_decay_cond wins).
+    if default_skip_embedding_weight_decay and no_weight_decay_cond is None:
+        args["no_weight_decay_cond"] = _skip_embedding_no_weight_decay
+    args["default_skip_embedding_weight_decay"] = False
     if not has("core_optimizer", version):
-        return _legacy(version, config, chunks, args)
-    cfg = _with_param_gather_overlap(optimizer_config_of(config, version), chunks)
-    needs_private = (per_model_buffers is not None or data_parallel_group_gloo is not None
-                     or data_parallel_group_idx is not None or bool(distributed_optimizer_instance_id)
-                     or (data_parallel_group is not None
-                         and not same_group(data_parallel_group, default_dp_group())))
-    if needs_private:
-        return _private(version, cfg, chunks, args)
-    return _public(version, cfg, chunks, args)
+        optimizer = _legacy(version, config, chunks, args)
+        settings = OptimConfig.from_any(config)
+    else:
+        settings = _with_param_gather_overlap(optimizer_config_of(config, version), chunks)
+        needs_private = (per_model_buffers is not None or data_parallel_group_gloo is not None
+                         or data_parallel_group_idx is not None or bool(distributed_optimizer_instance_id)
+                         or (data_parallel_group is not None
+                             and not same_group(data_parallel_group, default_dp_group())))
+        build = _private if needs_private else _public
+        optimizer = build(version, settings, chunks, args)
+    # Megatron's builders only record lr_mult/wd_mult/max_lr (the scheduler applies them): without a scheduler
+    # biases and norms would decay and decoupled/scaled groups would run at the base lr on 0.6+ only.
+    _apply_lr_and_weight_decay(optimizer, settings.lr, settings.weight_decay, settings.lr, version)
+    return optimizer
 
 
 def _with_param_gather_overlap(cfg: Any, chunks: list[Any]) -> Any:
@@ -512,16 +612,22 @@ def optimizer_step(optimizer: Any) -> tuple[bool, float | None, int | None]:
     return bool(ok), (None if norm is None else float(norm)), zeros
 
 
-def set_lr_and_weight_decay(optimizer: Any, lr: float, weight_decay: float) -> None:
-    """Set every param group's effective learning rate and weight decay from its multipliers.
+def _base_lr(optimizer: Any) -> float | None:
+    """The configured (undecoupled, unscaled) learning rate the optimizer was built with."""
+    for opt in (optimizer, *getattr(optimizer, "chained_optimizers", ())):
+        config = getattr(opt, "config", None)
+        lr = config.get("lr") if isinstance(config, dict) else getattr(config, "lr", None)
+        if lr is not None:
+            return float(lr)
+    return None
 
-    ``group["lr"] = lr * group["lr_mult"]`` and ``group["weight_decay"] = weight_decay * group["wd_mult"]``
-    (multipliers default to 1), which is what Megatron-LM's ``OptimizerParamScheduler.step`` does at every
-    iteration. Megatron's builders (0.6+) only *record* the multipliers (a bias/norm group holds
-    ``wd_mult=0.0`` but ``weight_decay`` = the configured value), so without this call (or a scheduler) biases
-    and norms are decayed; mcore_compat's 0.4/0.5 optimizer applies them when it builds the groups, and this
-    call leaves them as they are.
+
+def set_lr_and_weight_decay(optimizer: Any, lr: float, weight_decay: float) -> None:
+    """Set every param group's effective learning rate and weight decay, as a constant schedule would.
+
+    What ``get_megatron_optimizer`` does at build time, for new values: a group gets ``lr`` times its ratio to
+    the configured learning rate (decoupled-lr groups, and ``scale_lr_cond`` groups on 0.16+, keep theirs)
+    times its ``lr_mult`` where the release's scheduler applies it, and ``weight_decay * wd_mult``. The same
+    effective (lr, weight decay) per parameter on every release.
     """
-    for group in optimizer.param_groups:
-        group["lr"] = lr * float(group.get("lr_mult", 1.0))
-        group["weight_decay"] = weight_decay * float(group.get("wd_mult", 1.0))
+    _apply_lr_and_weight_decay(optimizer, lr, weight_decay, _base_lr(optimizer), installed_version())

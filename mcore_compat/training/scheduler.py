@@ -1,0 +1,208 @@
+"""One learning-rate / weight-decay scheduler over every release: :func:`optimizer_param_scheduler`.
+
+Megatron-Core has ``OptimizerParamScheduler`` from 0.9 (``megatron/core/optimizer_param_scheduler.py``; fact
+``megatron_scheduler``); before that it lived in Megatron-LM only. :func:`optimizer_param_scheduler` returns
+Megatron's class where the release has it and :class:`ParamScheduler` (our own code, the same constructor
+signature, schedule formulas and ``state_dict`` keys) where it does not.
+
+Per group the scheduler sets ``lr = schedule(group["max_lr"], group["min_lr"])`` times ``group["lr_mult"]`` where
+the release multiplies (fact ``scheduler_ignores_lr_mult``: from 0.16 Megatron's scheduler does not, and
+``get_megatron_optimizer`` then puts a scaled learning rate into ``max_lr``/``min_lr`` instead), and
+``weight_decay = wd_schedule() * group["wd_mult"]``. Together with ``get_megatron_optimizer`` (which sets the
+same effective values at build time) every parameter gets the same (lr, weight decay) on every release.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..capabilities import has
+from ..errors import InvalidArgumentError
+from ._common import installed_version
+
+__all__ = ["ParamScheduler", "optimizer_param_scheduler"]
+
+_LR_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+_WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+_WD_STYLES = ("constant", "linear", "cosine")
+
+
+def _set_lr(group: dict[str, Any], lr: float) -> None:
+    current = group.get("lr")
+    if hasattr(current, "fill_"):  # a tensor learning rate (capturable optimizers): keep the tensor
+        current.fill_(lr)
+    else:
+        group["lr"] = lr
+
+
+def _check(init_lr: float, max_lr: float, min_lr: float, warmup: int, decay: int, style: str, start_wd: float,
+           end_wd: float, wd_style: str, use_checkpoint: bool | None, override: bool | None, wsd_steps: int | None,
+           wsd_style: str | None) -> None:
+    """Refuse what Megatron's scheduler asserts, with one message naming every problem."""
+    problems = []
+    if not 0.0 <= min_lr <= max_lr or init_lr > max_lr:
+        problems.append(f"need 0 <= min_lr <= max_lr and init_lr <= max_lr (got init_lr={init_lr}, "
+                        f"max_lr={max_lr}, min_lr={min_lr})")
+    if decay <= 0 or warmup >= decay:
+        problems.append(f"need 0 <= lr_warmup_steps < lr_decay_steps (got {warmup}, {decay})")
+    if style not in _LR_STYLES:
+        problems.append(f"lr_decay_style {style!r} is not one of {_LR_STYLES}")
+    if style == "WSD" and (wsd_steps is None or wsd_style not in _WSD_STYLES):
+        problems.append(f"WSD needs wsd_decay_steps and lr_wsd_decay_style in {_WSD_STYLES}")
+    if not 0.0 <= start_wd <= end_wd:
+        problems.append(f"need 0 <= start_wd <= end_wd (got {start_wd}, {end_wd})")
+    if wd_style not in _WD_STYLES:
+        problems.append(f"wd_incr_style {wd_style!r} is not one of {_WD_STYLES}")
+    elif wd_style == "constant" and start_wd != end_wd:
+        problems.append("wd_incr_style 'constant' needs start_wd == end_wd")
+    if override and use_checkpoint:
+        problems.append("override_opt_param_scheduler and use_checkpoint_opt_param_scheduler are both set")
+    if problems:
+        raise InvalidArgumentError("optimizer_param_scheduler: " + "; ".join(problems))
+
+
+class ParamScheduler:
+    """Learning-rate warmup/decay and weight-decay increment for releases without Megatron's scheduler.
+
+    The constructor, :meth:`step`, :meth:`state_dict` and :meth:`load_state_dict` have the signature and meaning
+    of Megatron-Core's ``OptimizerParamScheduler`` (0.9-0.15): warmup from ``init_lr`` to the group's ``max_lr``
+    over ``lr_warmup_steps``, then ``lr_decay_style`` down to the group's ``min_lr`` at ``lr_decay_steps``;
+    weight decay from ``start_wd`` to ``end_wd`` over ``wd_incr_steps``.
+
+    Raises:
+        InvalidArgumentError: an unknown style or inconsistent bounds (what Megatron asserts).
+    """
+
+    def __init__(self, optimizer: Any, init_lr: float, max_lr: float, min_lr: float, lr_warmup_steps: int,
+                 lr_decay_steps: int, lr_decay_style: str, start_wd: float, end_wd: float, wd_incr_steps: int,
+                 wd_incr_style: str, use_checkpoint_opt_param_scheduler: bool | None = True,
+                 override_opt_param_scheduler: bool | None = False, wsd_decay_steps: int | None = None,
+                 lr_wsd_decay_style: str | None = None) -> None:
+        self.optimizer = optimizer
+        self.init_lr, self.max_lr, self.min_lr = init_lr, float(max_lr), min_lr
+        self.lr_warmup_steps, self.lr_decay_steps, self.lr_decay_style = lr_warmup_steps, lr_decay_steps, \
+            lr_decay_style
+        self.wsd_decay_steps, self.lr_wsd_decay_style = wsd_decay_steps, lr_wsd_decay_style
+        self.start_wd, self.end_wd, self.wd_incr_steps, self.wd_incr_style = start_wd, end_wd, wd_incr_steps, \
+            wd_incr_style
+        self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
+        self.override_opt_param_scheduler = override_opt_param_scheduler
+        self.num_steps = 0
+        _check(init_lr, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style, start_wd, end_wd,
+               wd_incr_style, use_checkpoint_opt_param_scheduler, override_opt_param_scheduler, wsd_decay_steps,
+               lr_wsd_decay_style)
+        self.step(0)
+
+    def get_wd(self) -> float:
+        """The weight decay at the current step (before each group's ``wd_mult``)."""
+        if self.num_steps > self.wd_incr_steps or self.wd_incr_style == "constant":
+            return self.end_wd
+        ratio = float(self.num_steps) / float(self.wd_incr_steps)
+        coeff = ratio if self.wd_incr_style == "linear" else 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
+    def get_lr(self, param_group: dict[str, Any]) -> float:
+        """The learning rate of ``param_group`` at the current step (before its ``lr_mult``)."""
+        max_lr = param_group.get("max_lr", self.max_lr)
+        min_lr = param_group.get("min_lr", self.min_lr)
+        if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
+            return self.init_lr + (max_lr - self.init_lr) * float(self.num_steps) / float(self.lr_warmup_steps)
+        if self.lr_decay_style == "constant":
+            return max_lr
+        if self.num_steps > self.lr_decay_steps:
+            return min_lr
+        if self.lr_decay_style == "inverse-square-root":
+            lr = max_lr * max(self.lr_warmup_steps, 1) ** 0.5 / max(self.num_steps, 1) ** 0.5
+            return max(min_lr, lr)
+        ratio = float(self.num_steps - self.lr_warmup_steps) / float(self.lr_decay_steps - self.lr_warmup_steps)
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        elif self.lr_decay_style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:  # WSD: constant, then anneal over the last wsd_decay_steps
+            assert self.wsd_decay_steps is not None
+            anneal_start = self.lr_decay_steps - self.wsd_decay_steps
+            if self.num_steps <= anneal_start:
+                coeff = 1.0
+            else:
+                r = float(self.num_steps - anneal_start) / float(self.wsd_decay_steps)
+                coeff = {"linear": 1.0 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1.0),
+                         "exponential": 2.0 * math.pow(0.5, r) - 1.0,
+                         "minus_sqrt": 1.0 - math.sqrt(r)}[str(self.lr_wsd_decay_style)]
+        return min_lr + coeff * (max_lr - min_lr)
+
+    def step(self, increment: int) -> None:
+        """Advance ``increment`` steps and set every group's ``lr`` and ``weight_decay``."""
+        self.num_steps += increment
+        wd = self.get_wd()
+        for group in self.optimizer.param_groups:
+            _set_lr(group, self.get_lr(group) * group.get("lr_mult", 1.0))
+            group["weight_decay"] = wd * group.get("wd_mult", 1.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule's settings and step count (the keys of Megatron's scheduler)."""
+        return {"max_lr": self.max_lr, "lr_warmup_steps": self.lr_warmup_steps, "num_steps": self.num_steps,
+                "lr_decay_style": self.lr_decay_style, "lr_decay_steps": self.lr_decay_steps,
+                "min_lr": self.min_lr, "start_wd": self.start_wd, "end_wd": self.end_wd,
+                "wd_incr_style": self.wd_incr_style, "wd_incr_steps": self.wd_incr_steps}
+
+    def _checked(self, mine: Any, stored: Any, name: str) -> Any:
+        if self.override_opt_param_scheduler:
+            return mine
+        if not self.use_checkpoint_opt_param_scheduler and mine != stored:
+            raise InvalidArgumentError(f"optimizer_param_scheduler: {name} is {mine!r} here and {stored!r} in the "
+                                       f"checkpoint; pass use_checkpoint_opt_param_scheduler=True or "
+                                       f"override_opt_param_scheduler=True")
+        return stored
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (also Megatron's, including its older key names) and re-apply it."""
+        sd = dict(state_dict)
+        for new, old in (("max_lr", "start_lr"), ("lr_warmup_steps", "warmup_steps"),
+                         ("lr_warmup_steps", "warmup_iter"), ("lr_decay_steps", "decay_steps"),
+                         ("lr_decay_steps", "end_iter"), ("lr_decay_style", "decay_style"),
+                         ("num_steps", "num_iters")):
+            if old in sd:
+                sd[new] = sd.pop(old)
+        for name in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style"):
+            setattr(self, name, self._checked(getattr(self, name), sd[name], name))
+        if "start_wd" in sd:
+            for name in ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style"):
+                setattr(self, name, self._checked(getattr(self, name), sd[name], name))
+        self.step(increment=sd["num_steps"])
+
+
+def optimizer_param_scheduler(optimizer: Any, init_lr: float, max_lr: float, min_lr: float, lr_warmup_steps: int,
+                              lr_decay_steps: int, lr_decay_style: str, start_wd: float, end_wd: float,
+                              wd_incr_steps: int, wd_incr_style: str,
+                              use_checkpoint_opt_param_scheduler: bool | None = True,
+                              override_opt_param_scheduler: bool | None = False,
+                              wsd_decay_steps: int | None = None, lr_wsd_decay_style: str | None = None) -> Any:
+    """The learning-rate / weight-decay scheduler for ``optimizer``, with one signature on every release.
+
+    Args:
+        optimizer: the optimizer from :func:`~mcore_compat.training.get_megatron_optimizer`.
+        init_lr, max_lr, min_lr: warmup start, peak and floor (a group's own ``max_lr``/``min_lr`` - decoupled
+            learning rate, ``scale_lr_cond`` on 0.16+ - take precedence, as in Megatron).
+        lr_warmup_steps, lr_decay_steps, lr_decay_style: ``constant``, ``linear``, ``cosine``,
+            ``inverse-square-root`` or ``WSD`` (with ``wsd_decay_steps`` and ``lr_wsd_decay_style``).
+        start_wd, end_wd, wd_incr_steps, wd_incr_style: weight decay from ``start_wd`` to ``end_wd``
+            (``constant``, ``linear`` or ``cosine``); each group's ``wd_mult`` applies.
+        use_checkpoint_opt_param_scheduler, override_opt_param_scheduler: which values win in
+            ``load_state_dict``.
+
+    Returns:
+        Megatron-Core's ``OptimizerParamScheduler`` where the release has one (0.9+), else a
+        :class:`ParamScheduler`; both already applied step 0 to the groups.
+    """
+    args = (optimizer, init_lr, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style, start_wd,
+            end_wd, wd_incr_steps, wd_incr_style, use_checkpoint_opt_param_scheduler, override_opt_param_scheduler,
+            wsd_decay_steps, lr_wsd_decay_style)
+    _check(init_lr, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style, start_wd, end_wd, wd_incr_style,
+           use_checkpoint_opt_param_scheduler, override_opt_param_scheduler, wsd_decay_steps, lr_wsd_decay_style)
+    if has("megatron_scheduler", installed_version()):
+        from .. import symbols
+
+        return symbols.resolve("OptimizerParamScheduler")(*args)
+    return ParamScheduler(*args)
