@@ -58,6 +58,10 @@ def train(tp: int, distopt: bool, bf16: bool, device: str) -> list[float]:
         mt.OptimConfig(lr=1e-2, weight_decay=0.1, bf16=bf16, params_dtype=dtype, use_distributed_optimizer=distopt),
         model)
     mt.install_training_hooks(model, optimizer)  # finalize_model_grads_func & co. on the model's real config
+    # The same learning rate and weight decay per parameter on every release (biases: no decay), no scheduler needed.
+    settings = mt.effective_lr_and_weight_decay(optimizer, model)
+    mc.print_rank_0("effective (lr, weight decay): " + ", ".join(f"{name} ({lr:g}, {wd:g})"
+                                                                   for name, (lr, wd) in sorted(settings.items())))
 
     dp_rank = mc.parallel_state.get_data_parallel_rank()
     gen = torch.Generator().manual_seed(1000 + dp_rank)

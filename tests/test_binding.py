@@ -74,7 +74,7 @@ def test_manifest_module_stands_alone_without_a_process_group() -> None:
         "             (ManifestEntry('w', 0, 0, 0, (2, 2), 'float32'), ManifestEntry('b', 0, 0, 4, (2,), 'float32')),\n"
         "             '0.9.0')\n"
         "back = Manifest.from_json(m.to_json())\n"
-        "assert back == m and back.format == MANIFEST_FORMAT, back\n"
+        "assert back == m and back.format_version == MANIFEST_FORMAT, back\n"
         "views = back.views([torch.arange(6, dtype=torch.float32)])\n"
         "assert views['b'].tolist() == [4.0, 5.0] and views['w'].shape == (2, 2)\n"
         "assert not (torch.distributed.is_available() and torch.distributed.is_initialized())\n"
@@ -157,8 +157,11 @@ def test_stage_buffers_views_and_exports() -> None:
 @pytest.mark.unit
 def test_manifest_rejects_other_formats_and_malformed_data() -> None:
     data = _manifest().to_dict()
-    with pytest.raises(BindingError, match="format 99"):
-        Manifest.from_dict({**data, "format": 99})
+    assert set(data) == {"format_version", "version", "buffers", "params"} and data["format_version"] == 1
+    with pytest.raises(BindingError, match="format_version 99"):
+        Manifest.from_dict({**data, "format_version": 99})
+    older = {k: v for k, v in data.items() if k != "format_version"}
+    assert Manifest.from_dict({**older, "format": 1}) == Manifest.from_dict(data)  # written before the rename
     with pytest.raises(BindingError, match="malformed"):
         Manifest.from_dict({**data, "params": [{"name": "x"}]})
 

@@ -87,13 +87,14 @@ class Manifest:
         params: the parameters in ``named_parameters()`` order (chunk by chunk; Megatron lays them out in
             reverse, so offsets descend within a buffer).
         version: the megatron-core release that built the model.
-        format: :data:`MANIFEST_FORMAT`.
+        format_version: :data:`MANIFEST_FORMAT` (the JSON key ``format_version``; manifests written before it was
+            named so carry it as ``format``, which :meth:`from_dict` still reads).
     """
 
     buffers: tuple[ManifestBuffer, ...]
     params: tuple[ManifestEntry, ...]
     version: str = ""
-    format: int = MANIFEST_FORMAT
+    format_version: int = MANIFEST_FORMAT
 
     def to_dict(self) -> dict[str, Any]:
         """Plain ``dict``/``list``/``str``/``int`` data (what :meth:`to_json` writes)."""
@@ -109,10 +110,10 @@ class Manifest:
         Raises:
             BindingError: another manifest format, or missing fields.
         """
-        fmt = int(data.get("format", -1))
+        fmt = int(data.get("format_version", data.get("format", -1)))
         if fmt != MANIFEST_FORMAT:
-            raise BindingError(f"manifest format {fmt} is not supported (this mcore_compat reads format "
-                               f"{MANIFEST_FORMAT})")
+            raise BindingError(f"manifest format_version {fmt} is not supported (this mcore_compat reads "
+                               f"format_version {MANIFEST_FORMAT}); upgrade mcore_compat to read it")
         try:
             buffers = tuple(ManifestBuffer(**b) for b in data["buffers"])
             params = tuple(ManifestEntry(**{**p, "shape": tuple(int(s) for s in p["shape"])})
