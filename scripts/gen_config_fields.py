@@ -357,7 +357,8 @@ class ClassData:
         return [fields is not None and field in fields for fields in self.per_release]
 
 
-def read_all(releases: Sequence[str], readers: Sequence[Reader]) -> dict[str, ClassData]:
+def read_all(readers: Sequence[Reader]) -> dict[str, ClassData]:
+    """Every class of :data:`CLASSES` as read by each reader (one per release, oldest first)."""
     return {c.name: ClassData(c, [class_fields(read, c.path, c.name) for read in readers]) for c in CLASSES}
 
 
@@ -439,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--candidates", action="store_true", help="print rename candidates and exit")
     args = parser.parse_args(argv)
     releases = matrix_releases()
-    data = read_all(releases, readers_for(releases, args.wheels, args.src))
+    data = read_all(readers_for(releases, args.wheels, args.src))
     if args.candidates:
         for name, cd in data.items():
             presence = {f: cd.presence(f) for f in cd.field_names()}
