@@ -10,6 +10,8 @@ Import this instead of raw ``megatron.*``::
     mc.fact("ddp_ctor")              # valued facts, e.g. how DistributedDataParallel takes its settings
     mc.parallel_state, mc.mpu, mc.DistributedDataParallel, mc.TransformerConfig, ...  # lazily resolved
     mc.print_rank_0("hello")         # rank-zero logging, before and after init_process_group
+    mc.transformer_config(num_layers=2, hidden_size=64, num_attention_heads=4, bias_activation_fusion=True)
+                                     # Megatron's config objects from the field names of any release
 
 Nothing in Megatron-Core is imported or patched by ``import mcore_compat``: symbols are resolved on first access,
 and runtime patches (``mcore_compat.patches``) are applied only when asked for.
@@ -36,6 +38,10 @@ from .symbols import Unavailable, symbol_names
 
 if TYPE_CHECKING:  # pragma: no cover
     from packaging.version import Version
+
+    from .configs import ddp_config as ddp_config
+    from .configs import optimizer_config as optimizer_config
+    from .configs import transformer_config as transformer_config
 
     MCORE_VERSION: Version
 
@@ -93,6 +99,8 @@ _LAZY_ATTRS: dict[str, tuple[str, str]] = {
                  "check_training_hooks", "forward_backward", "optimizer_step", "zero_grad_buffer",
                  "MissingTrainingHookError")
 }
+_LAZY_ATTRS.update({name: ("mcore_compat.configs", name)
+                    for name in ("transformer_config", "ddp_config", "optimizer_config")})
 _LAZY_ATTRS.update({name: ("mcore_compat.layout", name) for name in ("layout_of", "compute_layout", "ModelLayout")})
 _LAZY_ATTRS.update({name: ("mcore_compat.binding", name)
                     for name in ("bind_params", "gather_pipeline", "gather_pipeline_flat", "ParamBinding",

@@ -17,6 +17,7 @@ from typing import Any
 
 from packaging.version import Version
 
+from .._config_effects import harmless_if_missing
 from .._fact_table import DDP_SETTINGS
 from ..capabilities import fact, fact_row, has
 from ..errors import InvalidArgumentError, UnsupportedVersionError
@@ -37,17 +38,6 @@ __all__ = ["DDPConfig", "ddp_config_of", "wrap_ddp", "zero_grad_buffer"]
 
 _BUCKET_SIZE_V4 = 40_000_000  # the 0.4-0.6 constructor default
 _FIELD_ALIASES = {"accumulate_allreduce_grads_in_fp32": "grad_reduce_in_fp32"}
-
-#: What to do with a non-default DDPConfig setting the installed release does not honour (fact
-#: ``ddp_settings``): "warn" = only speed/overlap or float rounding differ, "raise" = ignoring it would change
-#: results. Settings every release has are not listed.
-_IF_MISSING: dict[str, str] = {
-    "check_for_nan_in_grad": "warn",
-    "average_in_collective": "warn",  # AVG in the collective vs pre-division: same value up to rounding
-    "overlap_param_gather": "warn",
-    "align_param_gather": "warn",
-    "num_distributed_optimizer_instances": "raise",
-}
 
 #: Where the DDP's data-parallel group comes from, per constructor style (fact ``ddp_ctor``):
 #:  "ctor" = constructor argument (honoured); "parallel_state" = read from parallel_state, cannot be overridden
@@ -141,7 +131,7 @@ def _check_missing_fields(cfg: DDPConfig, version: Version) -> dict[str, Any]:
             keep[name] = value
         else:
             drop_or_raise(name, value, getattr(defaults, name), version,
-                          harmful=_IF_MISSING.get(name) == "raise",
+                          harmful=not harmless_if_missing("DistributedDataParallelConfig", name),
                           why=f"DistributedDataParallelConfig.{name} exists in {_releases_with(name)}")
     return keep
 

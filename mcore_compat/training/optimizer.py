@@ -20,6 +20,8 @@ from typing import Any
 
 from packaging.version import Version
 
+from .._config_effects import harmless_if_missing
+from .._config_names import existence_text
 from ..capabilities import fact, has
 from ..errors import InvalidArgumentError, UnsupportedVersionError
 from ..rank0 import warn_once_rank_0
@@ -91,19 +93,6 @@ class OptimConfig:
         return cls(**{k: v for k, v in items.items() if k in own}, extra=extra)
 
 
-#: Fields of OptimizerConfig that moved or vanished, with what to do when a caller sets them to a non-default
-#: value in a release that lacks them ("warn": no effect on the result of a step; "raise": it would change it;
-#: unlisted fields raise). The installed class's fields are read from the class itself.
-_OPT_IF_MISSING: dict[str, str] = {
-    "overlap_grad_reduce": "warn",  # DistributedDataParallelConfig's from 0.7 (optimizer_config.py until 0.9)
-    "overlap_param_gather": "warn",  # idem (absent from OptimizerConfig 0.10-0.13)
-    "overlap_param_gather_with_optimizer_step": "warn",
-    "decoupled_weight_decay": "raise",  # < 0.15: always AdamW (decoupled); Adam-with-L2 cannot be expressed
-    "log_num_zeros_in_grad": "warn",
-    "barrier_with_L1_time": "warn",
-}
-
-
 def _core_params(name: str, version: Version) -> tuple[str, ...]:
     """The parameter list fact ``name`` of megatron.core.optimizer (``None`` in its rows where there is none)."""
     params = fact(name, version)
@@ -139,8 +128,8 @@ def optimizer_config_of(config: Any, version: Version | None = None) -> Any:
             kwargs[f.name] = value
         else:
             drop_or_raise(f.name, value, getattr(defaults, f.name), version,
-                          harmful=_OPT_IF_MISSING.get(f.name, "raise") == "raise",
-                          why=f"OptimizerConfig of this release has no field {f.name!r}")
+                          harmful=not harmless_if_missing("OptimizerConfig", f.name),
+                          why=existence_text("OptimizerConfig", (f.name,)))
     unknown = sorted(set(cfg.extra) - names)
     if unknown:
         raise UnsupportedVersionError(
@@ -452,8 +441,39 @@ def _check_legacy_tied_layout(config: Any, chunks: list[Any]) -> None:
                 f"embeddings (share_embeddings_and_output_weights=False), or megatron-core >= 0.6.")
 
 
+#: The OptimConfig settings mcore_compat's optimizer for 0.4/0.5 (``mcore_compat/legacy_optimizer.py``) implements
+#: (``params_dtype`` is the model's: it optimizes the params as they are). Another setting, or an ``extra`` field, is
+#: a field that optimizer lacks: dropped at its default, warned about when harmless, refused otherwise.
+_LEGACY_SETTINGS = frozenset({
+    "optimizer", "lr", "min_lr", "weight_decay", "fp16", "bf16", "params_dtype", "loss_scale", "initial_loss_scale",
+    "min_loss_scale", "loss_scale_window", "hysteresis", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum",
+    "use_distributed_optimizer", "clip_grad", "log_num_zeros_in_grad",
+})
+
+
+def check_legacy_settings(config: Any, version: Version) -> OptimConfig:
+    """``config`` as an :class:`OptimConfig` for mcore_compat's optimizer of 0.4/0.5, after refusing what it cannot
+    honour (a non-default setting outside :data:`_LEGACY_SETTINGS` whose absence would change results, e.g.
+    ``decoupled_weight_decay=False`` or ``decoupled_lr``) and warning about what it ignores harmlessly.
+
+    Raises:
+        UnsupportedVersionError: a setting it cannot honour would change results.
+        InvalidArgumentError: an ``extra`` field that no release's ``OptimizerConfig`` has.
+    """
+    from ..configs import translate_fields
+
+    cfg = OptimConfig.from_any(config)
+    defaults = OptimConfig()
+    unread = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(OptimConfig)
+              if f.name != "extra" and f.name not in _LEGACY_SETTINGS
+              and getattr(cfg, f.name) != getattr(defaults, f.name)}
+    translate_fields("OptimizerConfig", {**unread, **cfg.extra}, version, present=frozenset())
+    return cfg
+
+
 def _legacy(version: Version, config: Any, chunks: list[Any], a: dict[str, Any]) -> Any:
     _check_legacy_tied_layout(config, chunks)
+    check_legacy_settings(config, version)
     try:
         legacy = importlib.import_module("mcore_compat.legacy_optimizer")
     except ImportError as exc:
