@@ -306,8 +306,8 @@ def test_an_absent_harmless_field_warns_once_and_is_dropped() -> None:
 def test_the_optimizer_of_releases_without_one_refuses_what_it_cannot_honour() -> None:
     with pytest.raises(UnsupportedVersionError, match="decoupled_weight_decay=False"):
         check_legacy_settings(OptimConfig(decoupled_weight_decay=False), V("0.4.0"))
-    with pytest.raises(UnsupportedVersionError, match="decoupled_lr"):
-        check_legacy_settings({"lr": 1e-3, "decoupled_lr": 1e-4}, V("0.5.0"))
+    with pytest.raises(UnsupportedVersionError, match="use_precision_aware_optimizer"):
+        check_legacy_settings(OptimConfig(extra={"use_precision_aware_optimizer": True}), V("0.5.0"))
     with pytest.raises(InvalidArgumentError, match="did you mean 'muon_momentum'"):
         check_legacy_settings(OptimConfig(extra={"muon_momentun": 0.9}), V("0.5.0"))
     reset_warn_once()
@@ -316,5 +316,5 @@ def test_the_optimizer_of_releases_without_one_refuses_what_it_cannot_honour() -
     assert cfg.lr == 1e-3
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_legacy_settings(OptimConfig(lr=1e-3, bf16=True, clip_grad=0.5, use_distributed_optimizer=True),
-                              V("0.4.0"))
+        check_legacy_settings(OptimConfig(lr=1e-3, bf16=True, clip_grad=0.5, use_distributed_optimizer=True,
+                                          decoupled_lr=1e-4, decoupled_min_lr=1e-5), V("0.4.0"))

@@ -37,6 +37,7 @@ from ._common import (
     same_group,
 )
 from .param_sync import REQUEST_ATTR
+from .scheduler import set_group_lr
 
 __all__ = ["OptimConfig", "get_megatron_optimizer", "optimizer_config_of", "optimizer_step", "set_lr_and_weight_decay"]
 
@@ -244,14 +245,6 @@ def _unshadowed_lr_mult(version: Version, a: dict[str, Any]) -> Iterator[None]:
         module._get_param_groups = original
 
 
-def _set_group_lr(group: dict[str, Any], lr: float) -> None:
-    current = group.get("lr")
-    if hasattr(current, "fill_"):  # a tensor learning rate: keep the tensor
-        current.fill_(lr)
-    else:
-        group["lr"] = lr
-
-
 def _apply_lr_and_weight_decay(optimizer: Any, lr: float | None, weight_decay: float, base_lr: float | None,
                                version: Version) -> None:
     """Give every group the (lr, weight decay) the release's scheduler would give it for a constant schedule at
@@ -262,7 +255,7 @@ def _apply_lr_and_weight_decay(optimizer: Any, lr: float | None, weight_decay: f
         if lr is not None:
             peak = group.get("max_lr")
             ratio = peak / base_lr if peak is not None and base_lr else 1.0
-            _set_group_lr(group, lr * ratio * (float(group.get("lr_mult", 1.0)) if mult else 1.0))
+            set_group_lr(group, lr * ratio * (float(group.get("lr_mult", 1.0)) if mult else 1.0))
         group["weight_decay"] = weight_decay * float(group.get("wd_mult", 1.0))
 
 
@@ -447,14 +440,14 @@ def _check_legacy_tied_layout(config: Any, chunks: list[Any]) -> None:
 _LEGACY_SETTINGS = frozenset({
     "optimizer", "lr", "min_lr", "weight_decay", "fp16", "bf16", "params_dtype", "loss_scale", "initial_loss_scale",
     "min_loss_scale", "loss_scale_window", "hysteresis", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum",
-    "use_distributed_optimizer", "clip_grad", "log_num_zeros_in_grad",
+    "use_distributed_optimizer", "clip_grad", "log_num_zeros_in_grad", "decoupled_lr", "decoupled_min_lr",
 })
 
 
 def check_legacy_settings(config: Any, version: Version) -> OptimConfig:
     """``config`` as an :class:`OptimConfig` for mcore_compat's optimizer of 0.4/0.5, after refusing what it cannot
     honour (a non-default setting outside :data:`_LEGACY_SETTINGS` whose absence would change results, e.g.
-    ``decoupled_weight_decay=False`` or ``decoupled_lr``) and warning about what it ignores harmlessly.
+    ``decoupled_weight_decay=False``) and warning about what it ignores harmlessly.
 
     Raises:
         UnsupportedVersionError: a setting it cannot honour would change results.

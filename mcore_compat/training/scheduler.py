@@ -28,9 +28,10 @@ _WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 _WD_STYLES = ("constant", "linear", "cosine")
 
 
-def _set_lr(group: dict[str, Any], lr: float) -> None:
-    current = group.get("lr")
-    if hasattr(current, "fill_"):  # a tensor learning rate (capturable optimizers): keep the tensor
+def set_group_lr(group: dict[str, Any], lr: float) -> None:
+    """Set a param group's learning rate (a tensor learning rate - capturable optimizers - is filled in place)."""
+    current: Any = group.get("lr")
+    if current is not None and hasattr(current, "fill_"):
         current.fill_(lr)
     else:
         group["lr"] = lr
@@ -137,7 +138,7 @@ class ParamScheduler:
         self.num_steps += increment
         wd = self.get_wd()
         for group in self.optimizer.param_groups:
-            _set_lr(group, self.get_lr(group) * group.get("lr_mult", 1.0))
+            set_group_lr(group, self.get_lr(group) * group.get("lr_mult", 1.0))
             group["weight_decay"] = wd * group.get("wd_mult", 1.0)
 
     def state_dict(self) -> dict[str, Any]:
