@@ -5,6 +5,7 @@
     from mcore_compat import training as mt
 
     model = mt.wrap_ddp(model_chunks, ddp_config=mt.DDPConfig(use_distributed_optimizer=True))
+    mt.broadcast_params(model)                     # every DP replica starts from the first rank's weights
     opt = mt.get_megatron_optimizer(mt.OptimConfig(lr=1e-3, bf16=True, use_distributed_optimizer=True), model)
     mt.install_training_hooks(model, opt)          # finalize_model_grads_func & co. on the real config
     mt.zero_grad_buffer(model, opt)
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+from .broadcast import broadcast_params
 from .ddp import DDPConfig, ddp_config_of, wrap_ddp, zero_grad_buffer
 from .finalize import (
     MissingTrainingHookError,
@@ -35,6 +37,7 @@ __all__ = [
     "DDPConfig",
     "MissingTrainingHookError",
     "OptimConfig",
+    "broadcast_params",
     "check_training_hooks",
     "ddp_config_of",
     "finalize_model_grads",
