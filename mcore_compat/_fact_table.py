@@ -71,6 +71,7 @@ _TE_LAYERS = "megatron.core.transformer.custom_layers.transformer_engine"
 _GPT = "megatron.core.models.gpt.gpt_model"
 
 _DDP_INIT = "DistributedDataParallel.__init__"
+_DDP_BCAST = "DistributedDataParallel.broadcast_params"
 _DOPT_INIT = "DistributedOptimizer.__init__"
 _NO_PIPE = "forward_backward_no_pipelining"
 
@@ -120,8 +121,14 @@ _ROWS_DDP: tuple[Fact[bool], ...] = (
       defines(_DDP, "DistributedDataParallel.scale_gradients")),
     F("ddp_broadcast_params_broken", ">=0.6,<0.8",
       "DDP.broadcast_params reads self.data_parallel_group, which the constructor never sets (AttributeError)",
-      all_of(reads_self_attr(_DDP, "DistributedDataParallel.broadcast_params", "data_parallel_group"),
+      all_of(reads_self_attr(_DDP, _DDP_BCAST, "data_parallel_group"),
              negate(assigns_self_attr(_DDP, "DistributedDataParallel", "data_parallel_group")))),
+    F("ddp_broadcast_params_single_group", "<0.6",
+      "DDP.broadcast_params broadcasts every parameter, expert ones (allreduce=False) too, over parallel_state's "
+      "data-parallel x context-parallel group: not over the data_parallel_group the constructor took, nor expert "
+      "params over the data-modulo-expert group their grads are reduced over (0.6: a group per parameter)",
+      all_of(reads_attr(_DDP, _DDP_BCAST, "parallel_state", "get_data_parallel_group"),
+             negate(calls_with_constant((_DDP,), ("getattr",), "allreduce", within=_DDP_BCAST)))),
     F("buffer_params_with_names", ">=0.17", "_ParamAndGradBuffer takes params_with_names instead of params",
       def_has_param(_BUF, "_ParamAndGradBuffer.__init__", "params_with_names")),
     F("buffer_nvfp4_unpacked_index_map", ">=0.17.1,<0.18",

@@ -3,8 +3,9 @@
 ``run_all()`` runs every configuration (DP=1 through explicit one-rank groups, DP=2, TP=2; distributed optimizer
 off/on; fp32/bf16 params; overlap_grad_reduce; the finalize hook left unset) through mcore_compat's training-step
 API against the installed megatron-core, and computes for each a reference step with plain PyTorch (the
-unsharded model, the same initial weights, the same data, ``torch.optim.AdamW``). It returns plain data; the
-pytest side asserts.
+unsharded model, the same initial weights, the same data, ``torch.optim.AdamW``). ``run_broadcast()`` runs the
+``broadcast_params`` cases (DP rank 1 perturbed, Megatron's own method called directly as the fault check, then
+mcore_compat's). Both return plain data; the pytest side asserts.
 """
 
 from __future__ import annotations
@@ -219,13 +220,14 @@ def _version() -> Any:
     return detect().version
 
 
-def _init_parallel(tp: int) -> None:
+def _init_parallel(tp: int, ep: int = 1) -> None:
     from mcore_compat.training._common import parallel_state
 
     ps = parallel_state()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, **({"expert_model_parallel_size": ep} if ep > 1
+                                                                    else {}))
 
 
 def _run_case(case: Case, one_rank_groups: list[Any]) -> dict[str, Any]:
@@ -359,3 +361,142 @@ def run_all() -> dict[str, Any]:
 
     parallel_state().destroy_model_parallel()  # the session's ranks run other modules next
     return {"version": version, "patches": patches, "cases": results}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# broadcast_params
+# ----------------------------------------------------------------------------------------------------------------
+
+#: ``broadcast_params`` configurations (DP=2 over both ranks, distributed optimizer on so that 0.6+ DDP keeps
+#: param buffers): "dp2" default groups (one chunk, not a list); "dp2-ep2" expert parallelism 2, fc2's params
+#: marked expert (``allreduce=False``: their expert-data-parallel group is each rank alone); "explicit-dp1"
+#: ``wrap_ddp(data_parallel_group=<this rank alone>)`` while parallel_state's DP group holds both ranks.
+BROADCAST_CASES: tuple[str, ...] = ("dp2", "dp2-ep2", "explicit-dp1")
+EXPERT_PREFIX = "fc2."  # the params marked expert in "dp2-ep2"
+
+
+def _named_values(module: Any) -> dict[str, Any]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def _as_lists(values: dict[str, Any]) -> dict[str, Any]:
+    return {n: v.tolist() for n, v in values.items()}
+
+
+def _alias_check(chunk: Any) -> tuple[int, list[str]]:
+    """``(params checked, names of params that are not their view of param_data)`` over DDP's param buffers."""
+    import torch
+
+    from mcore_compat.layout.read import ddp_buffers
+
+    names = {p: n for n, p in chunk.module.named_parameters()}
+    checked, bad = 0, []
+    for buffer, _ in ddp_buffers(chunk, _version()):
+        data = getattr(buffer, "param_data", None)
+        if data is None:
+            continue
+        for param, (start, end, _) in buffer.param_index_map.items():
+            view = data[start:end]
+            checked += 1
+            if param.data.data_ptr() != view.data_ptr() or not torch.equal(param.data.reshape(-1), view):
+                bad.append(names[param])
+    return checked, bad
+
+
+def _broadcast_case(name: str, one_rank_groups: list[Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from mcore_compat import training as mt
+    from mcore_compat.errors import UnsupportedVersionError
+
+    rank = dist.get_rank()
+    _init_parallel(1, ep=2 if name == "dp2-ep2" else 1)
+    model = _tiny_model(_transformer_config(1, False))
+    full = _full_weights()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(full[n])
+            if name == "dp2-ep2" and n.startswith(EXPERT_PREFIX):
+                setattr(p, "allreduce", False)  # Megatron's mark of expert-parallel params
+    out: dict[str, Any] = {"case": name, "rank": rank}
+    try:
+        chunks = mt.wrap_ddp([model], ddp_config=mt.DDPConfig(use_distributed_optimizer=True),
+                             data_parallel_group=one_rank_groups[rank] if name == "explicit-dp1" else None)
+    except UnsupportedVersionError as exc:
+        out.update(status="unsupported", error=str(exc))
+        return out
+    chunk = chunks[0]
+    with torch.no_grad():
+        if rank == 1:  # DP rank 1 drifts away from rank 0 in every element, in place (views stay views)
+            for i, p in enumerate(chunk.module.parameters()):
+                p.data.add_(0.5 + i)
+    before = _named_values(chunk.module)
+
+    # Megatron's own method, called directly (the fault check), then the values put back in place.
+    try:
+        chunk.broadcast_params()
+        out["raw_error"] = None
+    except Exception as exc:  # 0.6/0.7: AttributeError, raised on every rank before anything is sent
+        out["raw_error"] = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    out["raw"] = _as_lists(_named_values(chunk.module))
+    with torch.no_grad():
+        for n, p in chunk.module.named_parameters():
+            p.data.copy_(before[n])
+
+    megatron_method = chunk.broadcast_params
+    calls = []
+
+    def spy() -> None:
+        calls.append(1)
+        megatron_method()
+
+    chunk.broadcast_params = spy  # the instance attribute shadows the method: counts what mcore_compat calls
+    mt.broadcast_params(chunk if name == "dp2" else chunks)
+    checked, bad = _alias_check(chunk)
+    out.update(status="ok", before=_as_lists(before), after=_as_lists(_named_values(chunk.module)),
+               megatron_calls=len(calls), alias_checked=checked, alias_bad=bad)
+    return out
+
+
+def _not_wrapped_error() -> dict[str, Any]:
+    """``broadcast_params`` on a plain module after a wrapped one: refused before anything is sent."""
+    import torch
+
+    from mcore_compat import training as mt
+    from mcore_compat.errors import McoreCompatError
+
+    _init_parallel(1)
+    wrapped = mt.wrap_ddp(_tiny_model(_transformer_config(1, False)))
+    try:
+        mt.broadcast_params([wrapped, torch.nn.Linear(2, 2)])
+    except Exception as exc:
+        return {"type": type(exc).__name__, "compat": isinstance(exc, McoreCompatError), "message": str(exc)}
+    return {"type": None}
+
+
+def run_broadcast() -> dict[str, Any]:
+    """Every ``broadcast_params`` case on this rank: ``{"version": str, "cases": {name: result}, "not_wrapped":
+    {...}}``."""
+    import torch.distributed as dist
+
+    apply_patches()
+    from mcore_compat.detect import detect
+
+    one_rank_groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    results: dict[str, Any] = {}
+    for name in BROADCAST_CASES:
+        try:
+            results[name] = _broadcast_case(name, one_rank_groups)
+        except Exception:
+            results[name] = {"case": name, "status": "error", "error": traceback.format_exc()}
+            dist.barrier()
+    try:
+        not_wrapped = _not_wrapped_error()
+    except Exception:
+        not_wrapped = {"type": "error", "error": traceback.format_exc()}
+    from mcore_compat.training._common import parallel_state
+
+    parallel_state().destroy_model_parallel()  # the session's ranks run other modules next
+    return {"version": str(detect().version), "cases": results, "not_wrapped": not_wrapped}

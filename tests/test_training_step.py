@@ -2,7 +2,8 @@
 PyTorch.
 
 ONE module-scoped ``run_all`` on the session's 2 gloo ranks (``rank_group``) runs every configuration (tests/_training_scenarios.py) in one gloo group;
-the tests below are parametrised over the configurations and only assert.
+the tests below are parametrised over the configurations and only assert. ``broadcast_params`` has a second,
+smaller run (``run_broadcast``: every case in one call) at the end of this file.
 
 Reference: the unsharded model, the same initial weights and data (all DP ranks' microbatches), mean loss,
 ``clip_grad_norm_`` and ``torch.optim.AdamW``. Tolerances:
@@ -170,3 +171,117 @@ def test_check_training_hooks_raises_when_finalize_missing(results: dict[str, An
         check_error, forward_backward_error = r["check_errors"]
         assert check_error is not None and "finalize_model_grads_func" in check_error
         assert forward_backward_error is not None and "install_training_hooks" in forward_backward_error
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# broadcast_params: one more run on the session's ranks, every case in it
+# ---------------------------------------------------------------------------------------------------------------
+
+#: Where Megatron's own DistributedDataParallel.broadcast_params raises AttributeError (it reads
+#: self.data_parallel_group, which the constructor never sets).
+MEGATRON_BROADCAST_BROKEN = ">=0.6,<0.8"
+#: Where it broadcasts every parameter over parallel_state's DP group, ignoring the DDP's own groups.
+MEGATRON_BROADCAST_ONE_GROUP = "<0.6"
+#: Where wrap_ddp refuses an explicit DP group (the DDP reads parallel_state's) and "explicit-dp1" cannot run.
+EXPLICIT_GROUP_REFUSED = ">=0.8,<0.13"
+#: Where DDP keeps param buffers (param_data) with the distributed optimizer.
+PARAM_BUFFERS = ">=0.6"
+
+
+@pytest.fixture(scope="module")
+def broadcast(rank_group: Any) -> dict[str, Any]:
+    per_rank = rank_group.run(SCENARIOS.run_broadcast, timeout=300)
+    return {"version": per_rank[0]["version"], "ranks": per_rank}
+
+
+def _broadcast_case(broadcast: dict[str, Any], name: str) -> list[dict[str, Any]] | None:
+    """Both ranks' results of ``name``, or None where the release refuses the case (asserted here)."""
+    version = broadcast["version"]
+    per_rank = [r["cases"][name] for r in broadcast["ranks"]]
+    for r in per_rank:
+        if r["status"] == "error":
+            pytest.fail(f"broadcast case {name} on rank {r['rank']} raised:\n{r['error']}")
+    if name == "explicit-dp1" and in_range(version, EXPLICIT_GROUP_REFUSED):
+        for r in per_rank:
+            assert r["status"] == "unsupported" and "cannot be honoured" in r["error"], r
+        return None
+    for r in per_rank:
+        assert r["status"] == "ok", r
+    return per_rank
+
+
+def _synced(name: str, param: str) -> bool:
+    """Whether ``param`` is broadcast over both ranks in case ``name`` (else each rank is its own group)."""
+    if name == "explicit-dp1":
+        return False
+    return not (name == "dp2-ep2" and param.startswith(SCENARIOS.EXPERT_PREFIX))
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", SCENARIOS.BROADCAST_CASES)
+def test_broadcast_params_copies_rank_0_over_the_ddp_groups(broadcast: dict[str, Any], name: str) -> None:
+    per_rank = _broadcast_case(broadcast, name)
+    if per_rank is None:
+        pytest.skip(f"release limit: megatron-core {broadcast['version']} DDP takes its DP group from "
+                    f"parallel_state only (wrap_ddp refuses an explicit one; asserted above)")
+    r0, r1 = per_rank
+    for key in r0["before"]:
+        assert r0["before"][key] != r1["before"][key], f"{key}: rank 1 was not perturbed, the test cannot fail"
+        assert r0["after"][key] == r0["before"][key], f"{key}: rank 0's values changed"
+        source = "rank 0's" if _synced(name, key) else "its own"
+        want = r0["before"][key] if _synced(name, key) else r1["before"][key]
+        assert r1["after"][key] == want, f"{name} {key}: rank 1 does not hold {source} values"
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", SCENARIOS.BROADCAST_CASES)
+def test_broadcast_params_keeps_params_views_of_ddp_buffers(broadcast: dict[str, Any], name: str) -> None:
+    per_rank = _broadcast_case(broadcast, name)
+    if per_rank is None:
+        pytest.skip(f"release limit: megatron-core {broadcast['version']} cannot run {name} (asserted refused)")
+    for r in per_rank:
+        if in_range(broadcast["version"], PARAM_BUFFERS):
+            assert r["alias_checked"] == len(r["before"]), r
+        else:
+            assert r["alias_checked"] == 0
+        assert r["alias_bad"] == [], f"params no longer views of DDP's param_data: {r['alias_bad']}"
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", SCENARIOS.BROADCAST_CASES)
+def test_megatron_broadcast_params_is_called_exactly_where_it_is_right(broadcast: dict[str, Any],
+                                                                      name: str) -> None:
+    """Megatron's own method, called directly: AttributeError on 0.6/0.7; on 0.4/0.5 it broadcasts everything
+    over parallel_state's DP group (wrong for expert params and for an explicit group). mcore_compat calls it
+    exactly where it gives the right result, and then gives the same result."""
+    version = broadcast["version"]
+    per_rank = _broadcast_case(broadcast, name)
+    if per_rank is None:
+        pytest.skip(f"release limit: megatron-core {version} cannot run {name} (asserted refused)")
+    broken = in_range(version, MEGATRON_BROADCAST_BROKEN)
+    one_group = in_range(version, MEGATRON_BROADCAST_ONE_GROUP)
+    for r in per_rank:
+        if broken:
+            assert r["raw_error"] is not None and r["raw_error"].startswith("AttributeError") \
+                and "data_parallel_group" in r["raw_error"], r["raw_error"]
+            assert r["megatron_calls"] == 0
+        else:
+            assert r["raw_error"] is None, r["raw_error"]
+    r0, r1 = per_rank
+    if broken:
+        return
+    if one_group and name != "dp2":
+        assert r1["raw"] == r0["before"], "0.4/0.5 broadcast_params syncs every param over parallel_state's group"
+        assert r1["raw"] != r1["after"], "mcore_compat must not do what Megatron's method does here"
+        assert r0["megatron_calls"] == r1["megatron_calls"] == 0
+    else:
+        assert r0["megatron_calls"] == r1["megatron_calls"] == 1
+        assert r0["raw"] == r0["after"] and r1["raw"] == r1["after"]
+
+
+@pytest.mark.mcore
+def test_broadcast_params_refuses_a_module_not_wrapped_in_ddp(broadcast: dict[str, Any]) -> None:
+    for r in broadcast["ranks"]:
+        err = r["not_wrapped"]
+        assert err["type"] == "InvalidTypeError" and err["compat"], err
+        assert "chunk 1 (Linear)" in err["message"] and "wrap_ddp" in err["message"]

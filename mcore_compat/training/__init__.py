@@ -5,6 +5,7 @@
     from mcore_compat import training as mt
 
     model = mt.wrap_ddp(model_chunks, ddp_config=mt.DDPConfig(use_distributed_optimizer=True))
+    mt.broadcast_params(model)                     # every DP replica starts from the first rank's weights
     opt = mt.get_megatron_optimizer(mt.OptimConfig(lr=1e-3, bf16=True, use_distributed_optimizer=True), model)
     mt.install_training_hooks(model, opt)          # finalize_model_grads_func & co. on the real config
     mt.zero_grad_buffer(model, opt)
@@ -18,6 +19,7 @@
 
 from __future__ import annotations
 
+from .broadcast import broadcast_params
 from .ddp import DDPConfig, ddp_config_of, wrap_ddp, zero_grad_buffer
 from .finalize import (
     MissingTrainingHookError,
@@ -42,6 +44,7 @@ __all__ = [
     "MissingTrainingHookError",
     "OptimConfig",
     "ParamScheduler",
+    "broadcast_params",
     "check_training_hooks",
     "ddp_config_of",
     "effective_lr_and_weight_decay",

@@ -66,6 +66,20 @@ def default_dp_group(*, gloo: bool = False) -> Any:
     return getter(with_context_parallel=True)
 
 
+def default_expert_dp_group() -> Any:
+    """parallel_state's group over which expert parameters are data-parallel (the data-modulo-expert group,
+    renamed expert-data-parallel group in 0.10), or ``None`` when it is not initialised."""
+    ps = parallel_state()
+    for name in ("get_data_modulo_expert_parallel_group", "get_expert_data_parallel_group"):
+        getter = getattr(ps, name, None)
+        if getter is not None:
+            try:
+                return getter()
+            except Exception:  # not initialised (no expert parallelism configured)
+                return None
+    return None
+
+
 def drop_or_raise(name: str, value: Any, default: Any, version: Version, *, harmful: bool, why: str) -> None:
     """Handle an argument the installed release cannot take.
 

@@ -25,6 +25,7 @@ from ._common import (
     as_chunk_list,
     config_items,
     default_dp_group,
+    default_expert_dp_group,
     drop_or_raise,
     installed_version,
     mcore,
@@ -32,6 +33,7 @@ from ._common import (
     parallel_state,
     same_group,
 )
+from .broadcast import GROUPS_ATTR
 from .param_sync import REQUEST_ATTR
 
 __all__ = ["DDPConfig", "ddp_config_of", "wrap_ddp", "zero_grad_buffer"]
@@ -180,23 +182,11 @@ def ddp_config_of(ddp_config: Any, version: Version | None = None) -> Any:
     return _to_megatron_config(DDPConfig.from_any(ddp_config), version)
 
 
-def _default_expert_dp_group(version: Version) -> Any:
-    ps = parallel_state()
-    for name in ("get_data_modulo_expert_parallel_group", "get_expert_data_parallel_group"):
-        getter = getattr(ps, name, None)
-        if getter is not None:
-            try:
-                return getter()
-            except Exception:  # not initialised (no expert parallelism configured)
-                return None
-    return None
-
-
 def _explicit_groups(version: Version, dp_group: Any, expert_group: Any) -> tuple[Any, Any]:
     """Normalise explicit groups: a group equal to parallel_state's default counts as "not given"."""
     if dp_group is not None and same_group(dp_group, default_dp_group()):
         dp_group = None
-    if expert_group is not None and same_group(expert_group, _default_expert_dp_group(version)):
+    if expert_group is not None and same_group(expert_group, default_expert_dp_group()):
         expert_group = None
     return dp_group, expert_group
 
@@ -255,7 +245,7 @@ def _group_kwargs(version: Version, dp_group: Any, expert_group: Any, pg_collect
                     f"expert_data_parallel_group cannot be honoured")
         else:
             out["expert_data_parallel_group"] = (expert_group if expert_group is not None
-                                                 else _default_expert_dp_group(version))
+                                                 else default_expert_dp_group())
         return out
     if dp_group is None and expert_group is None:
         return {}
@@ -332,6 +322,9 @@ def wrap_ddp(
             wrapped.append(cls(config=cfg, ddp_config=settings, module=chunk, disable_bucketing=flag, **groups))
         if optimizer_gathers:
             setattr(wrapped[-1], REQUEST_ATTR, True)
+        if "data_parallel_group" in groups:  # 0.4-0.7: the DDP object keeps no group of its own (broadcast_params)
+            setattr(wrapped[-1], GROUPS_ATTR,
+                    (groups["data_parallel_group"], groups.get("expert_data_parallel_group")))
     return wrapped if was_list else wrapped[0]
 
 
