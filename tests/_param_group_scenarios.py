@@ -38,6 +38,8 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any], bool, bool]] = {
     "conds": (dict(decoupled_lr=DECOUPLED_LR, decoupled_min_lr=DECOUPLED_MIN_LR),
               dict(no_weight_decay_cond=no_decay_biases_only, scale_lr_cond=scale_lr, lr_mult=LR_MULT), False, False),
     "skip-embedding": ({}, dict(default_skip_embedding_weight_decay=True), False, False),
+    # explicit buffers select Megatron's private builder (0.6+), whose grouping differs (0.18+: no default rule)
+    "defaults-private": ({}, dict(per_model_buffers="the chunks' buffers"), True, False),
     "conds-bf16-distopt": (dict(decoupled_lr=DECOUPLED_LR, decoupled_min_lr=DECOUPLED_MIN_LR),
                            dict(no_weight_decay_cond=no_decay_biases_only, scale_lr_cond=scale_lr, lr_mult=LR_MULT),
                            True, True),
@@ -51,6 +53,7 @@ DECAY_CASES: dict[str, bool] = {"decay": False, "decay-distopt": True, "fault-no
 
 def _build(distopt: bool, config_fields: dict[str, Any], kwargs: dict[str, Any],
            bf16: bool = False) -> tuple[Any, Any]:
+    """``(chunks, optimizer)``; ``per_model_buffers`` in ``kwargs`` is replaced by the wrapped chunks' buffers."""
     import torch
 
     from mcore_compat import training
@@ -65,6 +68,10 @@ def _build(distopt: bool, config_fields: dict[str, Any], kwargs: dict[str, Any],
     config = training.OptimConfig(optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD, clip_grad=1.0,
                                   use_distributed_optimizer=distopt, bf16=bf16,
                                   params_dtype=torch.bfloat16 if bf16 else torch.float32, **config_fields)
+    if "per_model_buffers" in kwargs:
+        # (0.4/0.5's DDP has no ``buffers`` list - ``buffers`` is nn.Module's method - and ignores the argument)
+        kwargs = {**kwargs, "per_model_buffers": {i: list(c.buffers) if isinstance(c.buffers, list) else []
+                                                  for i, c in enumerate(chunks)}}
     return chunks, training.get_megatron_optimizer(config, chunks, **kwargs)
 
 

@@ -307,6 +307,10 @@ def _param_groups(version: Version, config: Any, chunks: list[Any], a: dict[str,
         overrides = a["config_overrides"]
         if overrides is None and (a["no_weight_decay_cond"] is not None or a["scale_lr_cond"] is not None):
             overrides = _conds_to_overrides(config, a["no_weight_decay_cond"], a["scale_lr_cond"], a["lr_mult"])
+        if overrides is None:
+            # The public builder's default. 0.16/0.17's _get_param_groups applies it for None too, 0.18+'s does not
+            # (optimizer/__init__.py), which would decay biases and norms: pass it explicitly on every release.
+            overrides = opt.get_standard_config_overrides(config)
         return opt._get_param_groups(chunks, config, overrides)
     if a["config_overrides"] is not None:
         raise UnsupportedVersionError(f"config_overrides needs megatron-core 0.16+; installed {version}")
