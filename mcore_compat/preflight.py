@@ -112,12 +112,15 @@ def _applicable_release(status: SupportStatus) -> Release | None:
     return status.release or status.same_public or status.nearest_older
 
 
-def preflight(*, allow_untested: bool = False) -> Preflight:
+def preflight(*, allow_untested: bool = False, strict: bool = True) -> Preflight:
     """Check the installed megatron-core and the environment around it; imports neither megatron nor torch.
 
     Args:
         allow_untested: accept a release the matrix does not list (newer than the newest, or between listed
             releases): it becomes a note instead of a problem. An older release is never accepted.
+        strict: every broken limit of the release is a problem (``doctor``); ``False``: only those known to stop
+            it (:attr:`mcore_compat.support.Misfit.blocking`), the others become notes (the self-check, which then
+            shows whether the release runs).
 
     Returns:
         The :class:`Preflight`; ``result.ok`` says whether anything stops mcore-compat.
@@ -150,17 +153,21 @@ def preflight(*, allow_untested: bool = False) -> Preflight:
     release = None if status.level == "older" else _applicable_release(status)
     fit = support.fit(release, releases=_releases()) if release is not None else None
     if fit is not None and not fit.ok:
-        problems.insert(0, f"the environment {fit.summary()}.")
-        fix = fit.fix
+        if strict or any(m.blocking for m in fit.misfits):
+            problems.insert(0, f"the environment {fit.summary()}.")
+            fix = fit.fix
+        else:
+            notes.append(f"the environment {fit.summary()} (fix: {fit.fix}).")
     return Preflight(info, info.path, status, fit, tuple(problems), tuple(notes), fix)
 
 
-def require(*, allow_untested: bool = True) -> Preflight:
+def require(*, allow_untested: bool = True, strict: bool = False) -> Preflight:
     """:func:`preflight`, raising when the environment is unusable.
 
     Args:
         allow_untested: see :func:`preflight` (default ``True``: running on an untested release is how it gets
             tested; the note says so).
+        strict: see :func:`preflight` (default ``False``: a limit the release is known to run without is a note).
 
     Returns:
         The :class:`Preflight` (``ok``), with any notes.
@@ -169,7 +176,7 @@ def require(*, allow_untested: bool = True) -> Preflight:
         UnusableEnvironmentError: megatron-core is missing, its version cannot be told, the release is older than
             every supported one, or the environment breaks the release's limits.
     """
-    result = preflight(allow_untested=allow_untested)
+    result = preflight(allow_untested=allow_untested, strict=strict)
     if not result.ok:
         raise UnusableEnvironmentError(result)
     return result

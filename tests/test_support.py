@@ -120,6 +120,7 @@ def test_fit_names_the_broken_limit_and_the_pip_command_that_fixes_it(rels: list
     two = support.fit(by["0.13.0"], releases=rels, python="3.11.7", installed={**env, "numpy": "2.1.0"},
                       python_exe="py")
     assert two.fix == "py -m pip install 'numpy<2'"
+    assert [m.blocking for m in bad.misfits + two.misfits] == [True, False]  # numpy<2 is declared, not needed
     # a Python the release does not accept: no pip command fixes the interpreter, so name the release for it
     py = support.fit(by["0.19.2"], releases=rels, python="3.11.7", installed=env, python_exe="py")
     assert [m.name for m in py.misfits] == ["python"]

@@ -34,10 +34,14 @@ LIMITED_DISTRIBUTIONS = ("torch", "numpy", "setuptools")
 #: Why a limit exists, said next to the problem (the limits themselves are in ``versions.toml``).
 _WHY = {
     "setuptools": "the release imports pkg_resources, which setuptools 81 and later no longer ship",
-    "numpy": "the release is built against numpy 1.x",
-    "torch": "the release uses torch APIs older versions lack",
+    "numpy": "the release declares it",
+    "torch": "the release declares or needs it",
     "python": "the release declares it",
 }
+
+#: Limits whose breach is not known to stop a run: ``numpy<2`` is declared by 0.13-0.15 (their metadata), and pip
+#: enforces it on install, but the self-check passes on those releases next to numpy 2 (their GPU runs).
+_ADVISORY = frozenset({"numpy"})
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,12 @@ class Misfit:
     name: str
     spec: str
     installed: str | None
+
+    @property
+    def blocking(self) -> bool:
+        """Known to stop the release (a missing ``pkg_resources``, a Python or torch it refuses); ``False`` for a
+        declared limit the release is known to run without (numpy)."""
+        return self.name not in _ADVISORY
 
     def message(self) -> str:
         """``setuptools<81 is required (...), but setuptools 84.2.1 is installed``."""
