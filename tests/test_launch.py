@@ -58,7 +58,7 @@ def test_failure_names_the_rank_and_carries_its_traceback() -> None:
 def test_hang_ends_at_the_deadline_naming_the_rank() -> None:
     start = time.monotonic()
     with pytest.raises(RankTimeout) as err:
-        spawn(_rank_zero_hangs, 2, timeout=45)  # generous: rank 1 must start torch even on a loaded machine
+        spawn(_rank_zero_hangs, 2, timeout=20)  # counted once the ranks are up: rank 1 only has to answer
     assert err.value.ranks == [0]
     assert time.monotonic() - start < 90
 
