@@ -379,3 +379,23 @@ def test_selfcheck_under_torchrun_names_its_world_size_and_summarises_warnings(w
     assert len([ln for ln in proc.stdout.splitlines() if ln.startswith("warnings:")]) <= 1
     assert "()" not in proc.stdout, proc.stdout
     assert proc.stdout.rstrip().splitlines()[-1].startswith("self-check: PASS")
+
+
+# ---- item 9: the ranks' warnings, merged ----------------------------------------------------------------------------
+@pytest.mark.unit
+def test_the_ranks_warnings_are_counted_once_and_listed_with_verbose() -> None:
+    from mcore_compat.selfcheck import Report
+    from mcore_compat.selfcheck.noise import merge
+
+    same = ("FutureWarning", "`torch.cuda.amp.custom_fwd(args...)` is deprecated.", "layers.py:278")
+    only_one = ("UserWarning", "pkg_resources is deprecated as an API.", "random.py:10")
+    merged = merge([[same, only_one, same], [same]])
+    assert merged == [{"category": "FutureWarning", "message": same[1], "where": same[2], "count": 3, "ranks": [0, 1]},
+                      {"category": "UserWarning", "message": only_one[1], "where": only_one[2], "count": 1,
+                       "ranks": [0]}]
+    report = Report(warnings=merged)
+    short = report.render()
+    assert short.splitlines()[0].startswith("warnings: 2 distinct on the ranks (4 in all") and same[1] not in short
+    full = report.render(verbose=True).splitlines()
+    assert sum(same[1] in line for line in full) == 1 and sum(only_one[1] in line for line in full) == 1
+    assert any(line.startswith("  FutureWarning at layers.py:278 (ranks 0, 1): ") for line in full), full
