@@ -1,4 +1,5 @@
-"""``mcore-compat doctor``: what is installed and what each fact, symbol and patch resolved to."""
+"""``mcore-compat doctor``: is this installation usable (the release found, its support status, the environment
+against its limits, with the pip command that fixes it), and what each fact, symbol and patch resolved to."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def add_parser(sub: Any) -> None:
                         "supported release): exit 0 if everything else is fine")
     p.add_argument("--probe", action="store_true",
                    help="also import megatron.core and check every fact row against the real module "
-                        "(applies the CPU patches first when no GPU is present)")
+                        "(applies the CPU patches first when no GPU is present; lists the tables as --verbose)")
     p.add_argument("--expect-version", metavar="V",
                    help="exit with status 1 unless the detected megatron-core is exactly version V")
     p.set_defaults(func=run)

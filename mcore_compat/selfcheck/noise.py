@@ -11,11 +11,12 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["capture", "drain", "merge"]
+__all__ = ["capture", "drain", "merge", "release"]
 
 #: (category, message, where) of everything recorded in this process since the last :func:`drain`.
 _RECORDED: list[tuple[str, str, str]] = []
-_INSTALLED: list[bool] = []
+#: While capturing: the replaced ``warnings.showwarning`` and the handler added to the root logger.
+_INSTALLED: list[tuple[Any, logging.Handler]] = []
 
 
 class _Recorder(logging.Handler):
@@ -40,10 +41,18 @@ def capture() -> None:
     """
     if _INSTALLED:
         return
-    _INSTALLED.append(True)
-    warnings.showwarning = _show
     handler = _Recorder(level=logging.WARNING)
+    _INSTALLED.append((warnings.showwarning, handler))
+    warnings.showwarning = _show
     logging.getLogger().addHandler(handler)
+
+
+def release() -> None:
+    """Undo :func:`capture` (the self-check under ``torchrun`` runs in the caller's own process)."""
+    if _INSTALLED:
+        show, handler = _INSTALLED.pop()
+        warnings.showwarning = show
+        logging.getLogger().removeHandler(handler)
 
 
 def drain() -> list[tuple[str, str, str]]:

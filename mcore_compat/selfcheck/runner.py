@@ -102,15 +102,18 @@ def run(options: SelfCheckOptions | None = None, **overrides: Any) -> Report:
         from ..launch import init_from_env
         from .worker import run_rank
 
-        noise.capture()
-        timer = _watchdog(opts.timeout)
+        init_from_env(device=opts.device or "cpu", timeout_s=max(opts.timeout, 600.0))
         try:
-            init_from_env(device=opts.device or "cpu", timeout_s=opts.timeout)
-            checks, env = run_rank(opts)
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (checks, noise.drain()))
+            _start_rank(opts.device or "cpu")  # as a spawned rank's start-up: not counted by the watchdog
+            timer = _watchdog(opts.timeout)
+            try:
+                checks, env = run_rank(opts)
+                gathered: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(gathered, (checks, noise.drain()))
+            finally:
+                timer.cancel()
         finally:
-            timer.cancel()
+            noise.release()
         report.checks = merge_rank_checks([c for c, _ in gathered])
         report.warnings = noise.merge([w for _, w in gathered])
         report.environment = env
