@@ -8,8 +8,10 @@ Sources, in the order they are trusted:
    describes that same directory.
 
 Metadata that disagrees with the imported module (a source checkout on ``PYTHONPATH`` shadowing a wheel, a
-stale install) is reported once as a warning; the imported module is trusted. No fake "0.0.0" is ever returned:
-if no version can be found an error says so.
+stale install) is reported once as a warning; the imported module is trusted. ``MCORE_COMPAT_VERSION=<version>``
+overrides both (with a warning when it disagrees), and names the version of a tree whose version cannot be read. No
+fake "0.0.0" is ever returned: if no version can be found an error says so
+(:class:`MegatronVersionUnknownError`, which carries the path that was found).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
 # ``importlib.metadata`` (and the email/zipfile/... modules it pulls in) costs ~40 ms to import: it is imported
 # inside the functions that read distribution metadata, not with ``import mcore_compat``.
 
-__all__ = ["MegatronInfo", "detect", "refresh"]
+__all__ = ["MegatronInfo", "MegatronVersionUnknownError", "detect", "refresh"]
 
 #: Distribution names known to ship ``megatron/core`` (checked first; any other distribution that owns the
 #: imported files is found among the ``*megatron*.dist-info`` next to the imported tree).
@@ -43,8 +45,20 @@ KNOWN_DISTRIBUTIONS = ("megatron-core", "megatron_core")
 _INSTALL_HINT = (
     "Install a supported release, e.g. `pip install megatron-core==0.16.1` (Python 3.10/3.11) or "
     "`pip install megatron-core==0.19.2` (Python >= 3.12), or put a Megatron-LM checkout on PYTHONPATH. "
-    "`mcore-compat doctor` lists the supported releases."
+    "`mcore-compat doctor` lists the supported releases, and which one fits this Python."
 )
+
+
+class MegatronVersionUnknownError(MegatronNotFoundError):
+    """``megatron.core`` was found, but its version cannot be told (no metadata, no readable ``package_info.py``).
+
+    Attributes:
+        found_at: the directory ``megatron.core`` would be imported from.
+    """
+
+    def __init__(self, message: str, found_at: Path) -> None:
+        super().__init__(message)
+        self.found_at = found_at
 
 
 @dataclass(frozen=True)
@@ -55,7 +69,9 @@ class MegatronInfo:
         version: the version of the module that is (or will be) imported.
         source: where ``version`` came from: ``"metadata"`` (distribution metadata that describes the imported
             files), ``"package_info"`` (``megatron/core/package_info.py`` of the imported directory, e.g. a source
-            checkout without metadata) or ``"__version__"`` (the already-imported module's attribute).
+            checkout without metadata), ``"__version__"`` (the already-imported module's attribute) or
+            ``"MCORE_COMPAT_VERSION"`` (the environment variable, which overrides the others and names the version of
+            a tree whose version cannot be read).
         path: the directory ``megatron.core`` is imported from.
         distribution: the distribution that owns ``path`` (``None`` for a checkout on ``sys.path``).
         metadata_version: the version that distribution's metadata claims, if any.
@@ -103,9 +119,15 @@ def _locate_core_dir() -> Path:
 
 def _version_from_package_info(core_dir: Path) -> Version | None:
     """Evaluate ``package_info.py`` of ``core_dir`` without importing the package."""
+    return _read_package_info(core_dir)[0]
+
+
+def _read_package_info(core_dir: Path) -> tuple[Version | None, str]:
+    """``(version, what was found)`` from ``package_info.py`` of ``core_dir``: the version (``None`` when there is
+    none or it is not a PEP 440 version) and, for messages, what the file holds."""
     path = core_dir / "package_info.py"
     if not path.is_file():
-        return None
+        return None, "it has no megatron/core/package_info.py"
     source = path.read_text(encoding="utf-8")
     namespace: dict[str, object] = {}
     try:
@@ -121,11 +143,11 @@ def _version_from_package_info(core_dir: Path) -> Version | None:
     if raw is None and "MAJOR" in namespace:
         raw = f"{namespace.get('MAJOR')}.{namespace.get('MINOR')}.{namespace.get('PATCH')}{namespace.get('PRE_RELEASE') or ''}"
     if raw is None:
-        return None
+        return None, f"its {path.name} defines no __version__ (nor MAJOR/MINOR/PATCH)"
     try:
-        return Version(str(raw))
+        return Version(str(raw)), f"{path.name} says {raw}"
     except InvalidVersion:
-        return None
+        return None, f"its {path.name} says __version__ = {str(raw)!r}, which is not a PEP 440 version"
 
 
 def _owning_distribution(core_dir: Path) -> md.Distribution | None:
@@ -218,21 +240,25 @@ def _detect_cached() -> MegatronInfo:
                 f"distribution metadata says {dist_name} {meta_version}, but the imported module at {core_dir} "
                 f"says {module_version}; trusting the imported module."
             )
-    if module_version is None:
-        raise MegatronNotFoundError(
-            f"cannot tell the version of the megatron-core at {core_dir}: no distribution metadata owns it and "
-            f"it has no readable megatron/core/package_info.py. Reinstall it with pip, or set "
-            f"MCORE_COMPAT_VERSION=<version> if this is a checkout with a known version."
-        )
     override = os.environ.get("MCORE_COMPAT_VERSION")
-    if override:
+    if override:  # read before giving up: it is the way out for a tree whose version cannot be read
         try:
             forced = Version(override)
         except InvalidVersion as exc:
-            raise InvalidArgumentError(f"MCORE_COMPAT_VERSION={override!r} is not a valid version") from exc
-        if forced != module_version:
+            raise InvalidArgumentError(f"MCORE_COMPAT_VERSION={override!r} is not a valid version (e.g. "
+                                       f"MCORE_COMPAT_VERSION=0.16.1)") from exc
+        if module_version is None:
+            module_version, source = forced, "MCORE_COMPAT_VERSION"
+        elif forced != module_version:
             problems.append(f"MCORE_COMPAT_VERSION={override} overrides the detected {module_version}.")
             module_version, source = forced, "MCORE_COMPAT_VERSION"
+    if module_version is None:
+        raise MegatronVersionUnknownError(
+            f"found megatron-core at {core_dir}, but cannot tell the version: no distribution metadata owns it and "
+            f"{_read_package_info(core_dir)[1]}. Reinstall it with pip, or, for a checkout of a known release, set "
+            f"MCORE_COMPAT_VERSION=<version> (e.g. MCORE_COMPAT_VERSION=0.16.1).",
+            found_at=core_dir,
+        )
     for p in problems:
         _warn_once(p)
     return MegatronInfo(

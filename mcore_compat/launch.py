@@ -4,7 +4,13 @@
 alive so that many functions run in them one after another: spawning and importing torch and Megatron cost
 most of the time of a small run, so the test-suite pays it once per release, not once per test module. Both
 report failures with the rank that failed and end a hang with a timeout that names the ranks that never
-answered (after asking them for their Python stacks).
+answered, with each one's Python stacks (collected per rank, not interleaved on a shared stderr). The timeout of a
+call starts once the ranks are up (processes started, torch imported, the process group joined, the optional
+``init`` run); the start-up has a limit of its own (``start_timeout``).
+
+The ranks are fresh Python processes (multiprocessing's ``spawn`` start method), which import the caller's main
+script again: a script must start ranks only under ``if __name__ == "__main__":``. A script that does not is
+told so in one message (:class:`RankFailure`), instead of multiprocessing's bootstrap error.
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) use :func:`init_from_env` instead.
 """
@@ -16,47 +22,91 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
 from .errors import InvalidArgumentError, McoreCompatError
 
-__all__ = ["Group", "RankFailure", "RankTimeout", "default_backend", "destroy_process_groups_since", "free_port",
-           "init_from_env", "process_groups", "spawn"]
+__all__ = ["Group", "RankFailure", "RankTimeout", "check_not_bootstrapping", "default_backend",
+           "destroy_process_groups_since", "free_port", "init_from_env", "process_groups", "spawn"]
 
 T = TypeVar("T")
 
 
+#: The exit status of a rank that found itself re-running the caller's main script (no ``__main__`` guard).
+_NO_MAIN_GUARD_EXIT = 87
+_NO_MAIN_GUARD = (
+    "the ranks could not start: they are fresh Python processes (multiprocessing's 'spawn'), which import the "
+    "main script again, and that script starts ranks at import time. Put the call (mcore_compat.selfcheck.run, "
+    "mcore_compat.launch.spawn or Group) under `if __name__ == \"__main__\":`."
+)
+
+
 class RankFailure(McoreCompatError, RuntimeError):
-    """One or more ranks raised or died. ``failures`` maps rank -> traceback text (or exit status)."""
+    """One or more ranks raised or died. ``failures`` maps rank -> traceback text (or exit status).
+
+    ``str()`` is the one-line :attr:`summary` followed by the first failing rank's traceback.
+    """
 
     def __init__(self, failures: dict[int, str]) -> None:
         self.failures = dict(sorted(failures.items()))
         first = next(iter(self.failures))
+        super().__init__(f"{self.summary}\n--- rank {first} ---\n{self.failures[first]}")
+
+    @property
+    def summary(self) -> str:
+        """``rank(s) 0, 1 failed: <the last line of the first failing rank's traceback>``."""
+        first = next(iter(self.failures))
         ranks = ", ".join(str(r) for r in self.failures)
         lines = [ln for ln in self.failures[first].strip().splitlines() if ln.strip()]
         cause = lines[-1].strip() if lines else "no details"
-        super().__init__(f"rank(s) {ranks} failed: {cause}\n--- rank {first} ---\n{self.failures[first]}")
+        return f"rank(s) {ranks} failed: {cause}"
 
 
 class RankTimeout(McoreCompatError, RuntimeError):
-    """Ranks did not finish within the deadline. ``ranks`` lists those that never answered."""
+    """Ranks did not finish within the deadline.
 
-    def __init__(self, ranks: Sequence[int], timeout: float) -> None:
+    Attributes:
+        ranks: those that never answered.
+        stacks: rank -> its Python stacks (every thread) when it was stopped, for the ranks that wrote them.
+        starting: the ranks were still starting (the start-up limit ran out, not the call's).
+    """
+
+    def __init__(self, ranks: Sequence[int], timeout: float, stacks: dict[int, str] | None = None,
+                 starting: bool = False) -> None:
         self.ranks = list(ranks)
-        super().__init__(
-            f"rank(s) {', '.join(map(str, self.ranks))} did not finish within {timeout:g} s (hung or too slow); "
-            f"all ranks were stopped (their Python stacks are on stderr). Raise --timeout if the run is merely slow."
-        )
+        self.stacks = dict(sorted((stacks or {}).items()))
+        self.starting = starting
+        what = "did not start" if starting else "did not finish"
+        hint = "Raise start_timeout" if starting else "Raise --timeout (seconds once the ranks are up)"
+        self.summary = (f"rank(s) {', '.join(map(str, self.ranks))} {what} within {timeout:g} s (hung or too "
+                        f"slow); all ranks were stopped. {hint} if the run is merely slow.")
+        text = self.summary
+        for rank, stack in self.stacks.items():
+            text += f"\n--- rank {rank}: Python stacks when stopped ---\n{stack.rstrip()}"
+        super().__init__(text)
+
+
+def check_not_bootstrapping() -> None:
+    """Refuse to start ranks from a process that is itself still being started by multiprocessing's ``spawn``
+    (the caller's main script, imported again in a rank, starting ranks at import time).
+
+    In such a process this exits at once with a status the parent recognises (:class:`RankFailure` then says to
+    use ``if __name__ == "__main__":``), instead of multiprocessing's bootstrap error in every rank.
+    """
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise SystemExit(_NO_MAIN_GUARD_EXIT)
 
 
 def free_port() -> int:
@@ -101,6 +151,8 @@ class _Setup:
     env: dict[str, str]
     pg_timeout_s: float
     destroy_subgroups: bool = False
+    init: Callable[[], Any] | None = None
+    stack_dir: str | None = None
 
 
 def _flush_and_exit(results: Any, code: int) -> None:
@@ -133,6 +185,10 @@ def destroy_process_groups_since(before: set[Any]) -> None:
     threading.Thread(target=gone.clear, name="mcore-compat-destroy-groups", daemon=True).start()
 
 
+#: This rank's file for its Python stacks (kept open: ``faulthandler`` writes to its descriptor).
+_STACK_FILE: Any = None
+
+
 def _child(rank: int, world: int, port: int, setup: _Setup, inbox: Any, results: Any) -> None:
     """One rank: join the process group, then run the jobs of ``inbox`` until it says ``None``."""
     os.environ.update(setup.env)
@@ -140,9 +196,14 @@ def _child(rank: int, world: int, port: int, setup: _Setup, inbox: Any, results:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if hasattr(signal, "SIGUSR1"):  # the parent asks a hung rank for its Python stacks before stopping it
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        global _STACK_FILE
+        if setup.stack_dir:  # one file per rank: stacks written to a shared stderr interleave
+            _STACK_FILE = open(os.path.join(setup.stack_dir, f"rank{rank}.txt"), "w")
+        faulthandler.register(signal.SIGUSR1, file=_STACK_FILE or sys.stderr, all_threads=True)
     try:
         init_from_env(setup.backend, setup.device, setup.pg_timeout_s)
+        if setup.init is not None:
+            setup.init()
     except BaseException:
         results.put((rank, 0, "error", traceback.format_exc()))
         _flush_and_exit(results, 1)
@@ -169,21 +230,51 @@ def _child(rank: int, world: int, port: int, setup: _Setup, inbox: Any, results:
     _flush_and_exit(results, 0)
 
 
-def _dump_stacks(procs: Sequence[Any]) -> None:
-    """Make hung ranks print their Python stacks to stderr (``faulthandler`` on SIGUSR1) before they are killed."""
+def _dump_stacks(procs: dict[int, Any], stack_dir: str | None) -> dict[int, str]:
+    """Ask hung ranks for their Python stacks (``faulthandler`` on SIGUSR1) before they are killed; returns rank ->
+    stacks, read from each rank's own file."""
     if not hasattr(signal, "SIGUSR1"):
-        return
-    for p in procs:
+        return {}
+    asked = []
+    for rank, p in procs.items():
         if p.is_alive() and p.pid:
             try:
                 os.kill(p.pid, signal.SIGUSR1)
+                asked.append(rank)
             except OSError:
                 pass
-    time.sleep(1.0)
+    if not stack_dir:
+        time.sleep(1.0)
+        return {}
+    stacks: dict[int, str] = {}
+    sizes: dict[int, int] = {}
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:  # until every file has stopped growing
+        time.sleep(0.2)
+        now = {r: _size(os.path.join(stack_dir, f"rank{r}.txt")) for r in asked}
+        if now == sizes and all(now.values()):
+            break
+        sizes = now
+    for r in asked:
+        try:
+            with open(os.path.join(stack_dir, f"rank{r}.txt"), encoding="utf-8", errors="replace") as fh:
+                text = fh.read()
+        except OSError:
+            continue
+        if text.strip():
+            stacks[r] = text
+    return stacks
 
 
-def _stop(procs: Sequence[Any], queues: Sequence[Any]) -> None:
-    """Stop ``procs`` (terminate, then kill) and close ``queues``; safe to call twice."""
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _stop(procs: Sequence[Any], queues: Sequence[Any], stack_dir: str | None = None) -> None:
+    """Stop ``procs`` (terminate, then kill), close ``queues`` and remove ``stack_dir``; safe to call twice."""
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -195,6 +286,8 @@ def _stop(procs: Sequence[Any], queues: Sequence[Any]) -> None:
     for q in queues:
         q.cancel_join_thread()  # a job nobody will read must not block this process's exit
         q.close()
+    if stack_dir:
+        shutil.rmtree(stack_dir, ignore_errors=True)
 
 
 #: Tries with a fresh rendezvous port when the chosen one was taken in the meantime.
@@ -222,6 +315,9 @@ class Group:
         backend: overrides the backend chosen from ``device``.
         env: extra environment variables for the ranks (set before anything is imported there).
         pg_timeout: the process group's own timeout for collectives, in seconds.
+        init: a picklable function every rank runs once at start-up, after joining the process group (e.g. import
+            Megatron): part of the start, not of any :meth:`run`'s timeout.
+        start_timeout: seconds the ranks may take to start (processes, torch, process group, ``init``).
         destroy_subgroups: after every run, destroy the process groups the run created. Megatron creates dozens
             per ``initialize_model_parallel`` and ``destroy_model_parallel`` only forgets them; gloo keeps three
             threads for each, so a long-lived group of ranks collects thousands of threads. The run must not
@@ -230,17 +326,20 @@ class Group:
 
     def __init__(self, nprocs: int, *, device: str = "cpu", backend: str | None = None,
                  env: dict[str, str] | None = None, pg_timeout: float = 600.0,
-                 destroy_subgroups: bool = False) -> None:
+                 destroy_subgroups: bool = False, init: Callable[[], Any] | None = None,
+                 start_timeout: float = 600.0) -> None:
         if nprocs < 1:
             raise InvalidArgumentError(f"nprocs must be >= 1, got {nprocs}")
         self.nprocs = nprocs
+        self.start_timeout = start_timeout
         self._setup = _Setup(backend or default_backend(device), device, dict(env or {}), pg_timeout,
-                             destroy_subgroups)
+                             destroy_subgroups, init)
         self._procs: list[Any] = []
         self._inboxes: list[Any] = []
         self._results: Any = None
         self._seq = 0
         self._finalizer: Any = None
+        self._stack_dir: str | None = None
         #: How many times processes were started (1 for a group that never failed).
         self.starts = 0
 
@@ -259,8 +358,18 @@ class Group:
         """Process ids of the ranks (empty before the start)."""
         return [p.pid for p in self._procs]
 
-    def start(self, timeout: float = 600.0) -> None:
-        """Start the ranks and wait until all joined the process group (a no-op when running)."""
+    def start(self, timeout: float | None = None) -> None:
+        """Start the ranks and wait until all joined the process group and ran ``init`` (a no-op when running).
+
+        Args:
+            timeout: seconds for the start (default: ``start_timeout``).
+
+        Raises:
+            RankFailure: a rank failed to start (or the caller's script lacks its ``__main__`` guard).
+            RankTimeout: the ranks did not start in time (``starting`` is set; their stacks are included).
+        """
+        check_not_bootstrapping()
+        timeout = self.start_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         for attempt in range(_PORT_ATTEMPTS):
             if self.started:
@@ -282,15 +391,17 @@ class Group:
 
         Args:
             fn: a picklable (module-level) function; its return value must be picklable.
-            timeout: seconds for this call, including the start of the ranks if they are not running.
+            timeout: seconds for this call, counted once the ranks are up (a start they need first has its own
+                limit, ``start_timeout``).
 
         Raises:
             RankFailure: a rank raised (its traceback is included) or exited abnormally; the group is stopped.
-            RankTimeout: ranks were still running at the deadline; the group is stopped.
+            RankTimeout: ranks were still running at the deadline (their Python stacks, per rank, are included);
+                the group is stopped.
         """
-        deadline = time.monotonic() + timeout
         message = pickle.dumps((self._seq + 1, fn, tuple(args), dict(kwargs or {})))  # unpicklable: raises here
-        self.start(timeout)
+        self.start()
+        deadline = time.monotonic() + timeout
         self._seq += 1
         for inbox in self._inboxes:
             inbox.put(message)
@@ -316,20 +427,29 @@ class Group:
     # ------------------------------------------------------------------------------------------------ internals
     def _launch(self, port: int) -> None:
         ctx = mp.get_context("spawn")
-        self._results = ctx.Queue()
-        self._inboxes = [ctx.Queue() for _ in range(self.nprocs)]
-        self._procs = [ctx.Process(target=_child, args=(r, self.nprocs, port, self._setup, self._inboxes[r],
-                                                        self._results), daemon=False)
-                       for r in range(self.nprocs)]
-        for p in self._procs:
-            p.start()
+        stack_dir = tempfile.mkdtemp(prefix="mcore-compat-stacks-")
+        setup = replace(self._setup, stack_dir=stack_dir)
+        results = ctx.Queue()
+        inboxes = [ctx.Queue() for _ in range(self.nprocs)]
+        procs = [ctx.Process(target=_child, args=(r, self.nprocs, port, setup, inboxes[r], results), daemon=False)
+                 for r in range(self.nprocs)]
+        started = []
+        try:
+            for p in procs:
+                p.start()
+                started.append(p)
+        except BaseException:
+            _stop(started, [*inboxes, results], stack_dir)  # never join a process that did not start
+            raise
+        self._procs, self._inboxes, self._results, self._stack_dir = procs, inboxes, results, stack_dir
         # Stops the ranks if the owner forgets close() (at garbage collection or interpreter exit).
-        self._finalizer = weakref.finalize(self, _stop, list(self._procs), [*self._inboxes, self._results])
+        self._finalizer = weakref.finalize(self, _stop, list(procs), [*inboxes, results], stack_dir)
 
     def _teardown(self) -> None:
         if self._finalizer is not None:
             self._finalizer()  # runs _stop once
         self._procs, self._inboxes, self._results, self._finalizer = [], [], None, None
+        self._stack_dir = None
 
     def _collect(self, seq: int, deadline: float, timeout: float) -> list[Any]:
         """Wait for every rank's answer to message ``seq``; on a failure or at the deadline stop the group."""
@@ -351,8 +471,8 @@ class Group:
             while pending() and not failures:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    _dump_stacks([procs[r] for r in pending()])
-                    raise RankTimeout(pending(), timeout)
+                    stacks = _dump_stacks({r: procs[r] for r in pending()}, self._stack_dir)
+                    raise RankTimeout(pending(), timeout, stacks, starting=seq == 0)
                 try:
                     take(self._results.get(timeout=min(remaining, 0.5)))
                     continue
@@ -364,7 +484,9 @@ class Group:
                         take(self._results.get(timeout=1.0))
                     except queue.Empty:
                         for r in dead:
-                            failures[r] = f"process exited with status {procs[r].exitcode} without reporting a result"
+                            code = procs[r].exitcode
+                            failures[r] = _NO_MAIN_GUARD if code == _NO_MAIN_GUARD_EXIT else (
+                                f"process exited with status {code} without reporting a result")
         except BaseException:
             self._teardown()
             raise
@@ -384,6 +506,8 @@ def spawn(
     backend: str | None = None,
     timeout: float = 600.0,
     env: dict[str, str] | None = None,
+    init: Callable[[], Any] | None = None,
+    start_timeout: float = 600.0,
 ) -> list[T]:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` fresh processes forming one process group (a :class:`Group`
     used once).
@@ -393,8 +517,11 @@ def spawn(
         nprocs: world size.
         device: ``"cpu"`` (gloo) or ``"cuda"`` (nccl, one GPU per rank).
         backend: overrides the backend chosen from ``device``.
-        timeout: seconds for the whole run; ranks still running then are killed.
+        timeout: seconds for ``fn``, counted once the ranks are up; ranks still running then are killed (their
+            Python stacks, per rank, are in the :class:`RankTimeout`).
         env: extra environment variables for the children (set before anything is imported there).
+        init: run once in every rank at start-up, before ``fn`` (see :class:`Group`).
+        start_timeout: seconds the ranks may take to start.
 
     Returns:
         The per-rank return values, index = rank.
@@ -403,5 +530,6 @@ def spawn(
         RankFailure: a rank raised (its traceback is included) or exited abnormally.
         RankTimeout: ranks were still running at the deadline.
     """
-    with Group(nprocs, device=device, backend=backend, env=env, pg_timeout=timeout) as group:
+    with Group(nprocs, device=device, backend=backend, env=env, pg_timeout=max(timeout, start_timeout), init=init,
+               start_timeout=start_timeout) as group:
         return group.run(fn, args=args, kwargs=kwargs, timeout=timeout)

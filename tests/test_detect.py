@@ -160,6 +160,24 @@ def test_no_version_anywhere_is_an_error_not_zero(syspath: list[str], tmp_path: 
         mcore_compat.detect()
 
 
+def test_an_unreadable_version_names_the_tree_and_the_override_names_its_version(
+        syspath: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    core = _tree(tmp_path, None, explicit="dev-build")
+    syspath.insert(0, str(tmp_path))
+    with pytest.raises(detect_mod.MegatronVersionUnknownError, match="cannot tell the version") as err:
+        mcore_compat.detect()
+    assert err.value.found_at == core.resolve() and "'dev-build'" in str(err.value)
+    assert "MCORE_COMPAT_VERSION=" in str(err.value)
+    monkeypatch.setenv("MCORE_COMPAT_VERSION", "0.16.1")  # what the message says to do now works
+    detect_mod.refresh()
+    info = mcore_compat.detect()
+    assert info.version == Version("0.16.1") and info.source == "MCORE_COMPAT_VERSION" and info.path == core.resolve()
+    monkeypatch.setenv("MCORE_COMPAT_VERSION", "latest")
+    detect_mod.refresh()
+    with pytest.raises(ValueError, match="MCORE_COMPAT_VERSION='latest' is not a valid version"):
+        mcore_compat.detect()
+
+
 def test_directory_without_init_is_not_an_install(syspath: list[str], tmp_path: Path) -> None:
     _tree(tmp_path, "0.16.1", init=False)
     syspath.insert(0, str(tmp_path))

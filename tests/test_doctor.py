@@ -112,6 +112,11 @@ def text_run(workdir: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
+def verbose_run(workdir: Path) -> subprocess.CompletedProcess[str]:
+    return _doctor(workdir, "--verbose")
+
+
+@pytest.fixture(scope="module")
 def json_run(workdir: Path) -> subprocess.CompletedProcess[str]:
     return _doctor(workdir, "--json")
 
@@ -134,10 +139,27 @@ def test_doctor_names_the_installed_release(text_run: subprocess.CompletedProces
 
 
 @pytest.mark.mcore
-def test_doctor_lists_every_fact_symbol_and_applicable_patch(text_run: subprocess.CompletedProcess[str],
+def test_doctor_fits_a_screen_and_says_the_installation_is_usable(text_run: subprocess.CompletedProcess[str],
+                                                                  release: tuple[str, Path]) -> None:
+    """The default output: at most 30 lines, the supported releases, the environment against the release's
+    limits (the session's base satisfies them), the verdict last; the tables only with --verbose."""
+    version = release[0]
+    lines = text_run.stdout.splitlines()
+    assert len(lines) <= 30, text_run.stdout
+    listed = " ".join(ln for ln in lines if ln.startswith(("releases", " " * 19))).split()
+    assert {str(r.version) for r in releases()} <= set(listed), listed
+    [environment] = [line for line in lines if line.startswith("environment")]
+    assert f"fits the limits of {version}" in environment, environment
+    assert lines[-1] == f"doctor: OK (megatron-core {version} is usable here)", lines[-1]
+    assert "facts (table" not in text_run.stdout and "--verbose" in text_run.stdout
+
+
+@pytest.mark.mcore
+def test_doctor_lists_every_fact_symbol_and_applicable_patch(verbose_run: subprocess.CompletedProcess[str],
                                                              release: tuple[str, Path]) -> None:
     version = Version(release[0])
-    lines = text_run.stdout.splitlines()
+    assert verbose_run.returncode == 0, verbose_run.stderr
+    lines = verbose_run.stdout.splitlines()
     rows = {line.split()[1]: (line.split()[0], line.split(None, 2)[2]) for line in _section(lines, "facts")}
     assert set(rows) == {f.name for f in facts()}
     for f in facts():
@@ -164,6 +186,8 @@ def test_doctor_json_is_the_same_report(json_run: subprocess.CompletedProcess[st
     assert m["found"] is True and m["version"] == version and Path(m["path"]) == core.resolve()
     assert m["checkout"] is (_distribution_name() is None) and m["distribution"] == _distribution_name()
     assert report["support"]["listed"] is _listed(version)
+    assert report["verdict"] == {"ok": True, "problems": [], "notes": [], "fix": None}
+    assert report["environment"]["ok"] is True and report["environment"]["release"] == version
     assert {f["name"]: f["value"] for f in report["facts"]} == {
         f.name: _jsonable(f.value_for(Version(version))) for f in facts()}
     assert sorted(s["name"] for s in report["symbols"]) == symbol_names()
@@ -216,6 +240,8 @@ def test_doctor_without_megatron_says_so_and_fails(bare_env: tuple[Path, dict[st
     [line] = [ln for ln in proc.stdout.splitlines() if "megatron-core" in ln and "NOT FOUND" in ln]
     assert "not installed" in line and "pip install megatron-core==" in line, line
     assert "facts (table" not in proc.stdout and "patches for this version" not in proc.stdout
+    assert proc.stdout.count("megatron-core is not installed") == 1, proc.stdout  # said once, not again below
+    assert "doctor: NOT USABLE" in proc.stdout
 
 
 @pytest.mark.unit
@@ -226,3 +252,5 @@ def test_doctor_json_without_megatron(bare_env: tuple[Path, dict[str, str]]) -> 
     assert report["megatron_core"]["found"] is False
     assert "not installed" in report["megatron_core"]["error"]
     assert "facts" not in report and "patches" not in report
+    assert report["verdict"]["ok"] is False and "pip install megatron-core==" in report["verdict"]["fix"]
+    assert [r["version"] for r in report["releases"]] == [str(r.version) for r in releases()]

@@ -36,6 +36,10 @@ _PROTOCOL_RAISES: dict[tuple[str, str, str], str] = {
     ("mcore_compat.__main__", "<module>", "SystemExit"): "python -m mcore_compat: the exit status of the command",
     ("mcore_compat.support.__main__", "<module>", "SystemExit"):
         "python -m mcore_compat.support: the exit status of the command",
+    ("mcore_compat.launch", "check_not_bootstrapping", "SystemExit"):
+        "a rank still being bootstrapped by multiprocessing re-ran the caller's main script: it ends with a status "
+        "the parent turns into a RankFailure naming the missing __main__ guard (an exception would only print "
+        "multiprocessing's bootstrap error in every rank)",
 }
 
 

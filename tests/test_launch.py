@@ -58,9 +58,49 @@ def test_failure_names_the_rank_and_carries_its_traceback() -> None:
 def test_hang_ends_at_the_deadline_naming_the_rank() -> None:
     start = time.monotonic()
     with pytest.raises(RankTimeout) as err:
-        spawn(_rank_zero_hangs, 2, timeout=45)  # generous: rank 1 must start torch even on a loaded machine
+        spawn(_rank_zero_hangs, 2, timeout=20)  # counted once the ranks are up: rank 1 only has to answer
     assert err.value.ranks == [0]
     assert time.monotonic() - start < 90
+
+
+def _hang_in_rank_zero_here() -> None:
+    time.sleep(600)
+
+
+def _hang_in_rank_one_here() -> None:
+    time.sleep(600)
+
+
+def _both_hang() -> None:
+    import torch.distributed as dist
+
+    (_hang_in_rank_zero_here if dist.get_rank() == 0 else _hang_in_rank_one_here)()
+
+
+def _ready() -> int:
+    return 1
+
+
+def test_timeout_counts_once_the_ranks_are_up_and_returns_each_ranks_stacks_whole() -> None:
+    """A 1 s limit is shorter than starting the ranks (importing torch, joining the group): it applies to the call
+    only. Each hung rank's stacks come back on their own, labelled, not interleaved on a shared stderr."""
+    with Group(2) as group:
+        start = time.monotonic()
+        assert group.run(_ready, timeout=1) == [1, 1]  # this module is imported on the ranks from here on
+        assert time.monotonic() - start > 1, "the ranks started in under 1 s: the test proves nothing"
+        with pytest.raises(RankTimeout) as err:
+            group.run(_both_hang, timeout=2)
+    exc = err.value
+    assert exc.ranks == [0, 1] and not exc.starting
+    assert sorted(exc.stacks) == [0, 1]
+    assert "_hang_in_rank_zero_here" in exc.stacks[0] and "_hang_in_rank_one_here" not in exc.stacks[0]
+    assert "_hang_in_rank_one_here" in exc.stacks[1] and "_hang_in_rank_zero_here" not in exc.stacks[1]
+    for stack in exc.stacks.values():
+        assert stack.count("Current thread") == 1, stack  # one whole dump per rank
+    text = str(exc)
+    assert text.index("--- rank 0: Python stacks when stopped ---") < text.index(
+        "--- rank 1: Python stacks when stopped ---")
+    assert "did not finish within 2 s" in text
 
 
 def test_dead_rank_is_reported_with_its_exit_status() -> None:

@@ -108,6 +108,32 @@ def test_unmet_limits() -> None:
     assert len(problems) == 3 and any("numpy<2" in p and "2.1.0" in p for p in problems)
 
 
+def test_fit_names_the_broken_limit_and_the_pip_command_that_fixes_it(rels: list[Release]) -> None:
+    by = _by_version(rels)
+    env = {"torch": "2.13.0+cpu", "numpy": "1.26.4", "setuptools": "84.2.1"}
+    bad = support.fit(by["0.8.0"], releases=rels, python="3.11.7", installed=env, python_exe="/v/bin/python")
+    assert not bad.ok and [m.name for m in bad.misfits] == ["setuptools"]
+    assert "setuptools<81 is required" in bad.summary() and "setuptools 84.2.1 is installed" in bad.summary()
+    assert bad.fix == "/v/bin/python -m pip install 'setuptools<81'"
+    good = support.fit(by["0.8.0"], releases=rels, python="3.11.7", installed={**env, "setuptools": "80.9.0"})
+    assert good.ok and good.fix is None and good.summary() == "fits the limits of 0.8.0 (setuptools<81)"
+    two = support.fit(by["0.13.0"], releases=rels, python="3.11.7", installed={**env, "numpy": "2.1.0"},
+                      python_exe="py")
+    assert two.fix == "py -m pip install 'numpy<2'"
+    assert [m.blocking for m in bad.misfits + two.misfits] == [True, False]  # numpy<2 is declared, not needed
+    # a Python the release does not accept: no pip command fixes the interpreter, so name the release for it
+    py = support.fit(by["0.19.2"], releases=rels, python="3.11.7", installed=env, python_exe="py")
+    assert [m.name for m in py.misfits] == ["python"]
+    assert py.fix is not None and py.fix.startswith("py -m pip install megatron-core==0.16.1")
+    assert "Python >=3.12 with megatron-core==0.19.2" in py.fix
+    # torch is needed by every release, limit or not
+    no_torch = support.fit(by["0.9.0"], releases=rels, python="3.11.7", installed={**env, "torch": None},
+                           python_exe="py")
+    assert no_torch.fix == "py -m pip install torch" and "torch is not installed" in no_torch.summary()
+    assert support.newest_for_python(rels, "3.12.1").version == Version("0.19.2")
+    assert support.newest_for_python(rels, "3.13.0").version == Version("0.19.2")
+
+
 def test_base_requirements() -> None:
     reqs = support.base_requirements("3.11")
     assert "numpy<2" in reqs and any(r.startswith("torch") for r in reqs)

@@ -13,6 +13,11 @@ __all__ = ["build_parser", "main"]
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``mcore-compat`` (subcommands register themselves here)."""
+    return _build()[0]
+
+
+def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The parser and its subcommands' parsers by name."""
     from . import doctor, selfcheck
 
     parser = argparse.ArgumentParser(
@@ -24,13 +29,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     doctor.add_parser(sub)
     selfcheck.add_parser(sub)
-    return parser
+    return parser, dict(sub.choices)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the process exit status."""
-    parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    """Entry point; returns the process exit status (2 for bad arguments, with the usage of the subcommand they
+    were given to)."""
+    parser, commands = _build()
+    args, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if unknown:  # argparse would blame the top-level parser and print its usage, not the subcommand's
+        commands.get(getattr(args, "command", None) or "", parser).error(
+            f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -1,4 +1,5 @@
-"""``mcore-compat doctor``: what is installed and what each fact, symbol and patch resolved to."""
+"""``mcore-compat doctor``: is this installation usable (the release found, its support status, the environment
+against its limits, with the pip command that fixes it), and what each fact, symbol and patch resolved to."""
 
 from __future__ import annotations
 
@@ -11,18 +12,32 @@ import sys
 from typing import Any
 
 from ..errors import McoreCompatError
+from .doctor_text import render
 
 __all__ = ["add_parser", "collect", "render"]
 
 
 def add_parser(sub: Any) -> None:
     """Register the ``doctor`` subcommand."""
-    p = sub.add_parser("doctor", help="show Python/torch/megatron-core/apex/TE, support status, facts "
-                                      "(capabilities and valued facts), symbols and applicable patches")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p = sub.add_parser(
+        "doctor", help="check the installation: megatron-core, its support status, the environment against the "
+                       "release's limits (with the pip command that fixes it), the supported releases",
+        description="Checks the installation: which megatron-core is imported and from where, whether it is a "
+                    "supported release, whether Python/torch/numpy/setuptools fit that release's limits "
+                    "(matrix/versions.toml; a misfit prints the exact pip command that fixes it), and lists the "
+                    "supported releases. Exit status 0 only if the installation is usable: 1 if megatron-core is "
+                    "missing, its version cannot be told, it is older than every supported release, untested "
+                    "(unless --allow-untested), or the environment breaks its limits. To switch releases: "
+                    "`pip install megatron-core==<V>`, then run doctor again.")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also list every fact, symbol and patch for the installed release")
+    p.add_argument("--json", action="store_true", help="print the whole report (every table) as JSON")
+    p.add_argument("--allow-untested", action="store_true",
+                   help="accept a megatron-core the support matrix does not list (e.g. newer than the newest "
+                        "supported release): exit 0 if everything else is fine")
     p.add_argument("--probe", action="store_true",
                    help="also import megatron.core and check every fact row against the real module "
-                        "(applies the CPU patches first when no GPU is present)")
+                        "(applies the CPU patches first when no GPU is present; lists the tables as --verbose)")
     p.add_argument("--expect-version", metavar="V",
                    help="exit with status 1 unless the detected megatron-core is exactly version V")
     p.set_defaults(func=run)
@@ -58,11 +73,20 @@ def _torch() -> dict[str, Any]:
     }
 
 
-def collect(probe: bool = False) -> dict[str, Any]:
-    """Gather the doctor report as a JSON-serialisable dict."""
+def collect(probe: bool = False, allow_untested: bool = False) -> dict[str, Any]:
+    """Gather the doctor report as a JSON-serialisable dict.
+
+    Args:
+        probe: also import megatron.core and check every fact against the real module.
+        allow_untested: a release the support matrix does not list is acceptable (see
+            :func:`mcore_compat.preflight.preflight`).
+
+    Returns:
+        The report; ``report["verdict"]["ok"]`` says whether the installation is usable, ``report["verdict"]["fix"]``
+        how to repair it.
+    """
     from .. import __version__
-    from ..detect import detect
-    from ..errors import MegatronNotFoundError
+    from ..preflight import preflight
 
     report: dict[str, Any] = {
         "mcore_compat": __version__,
@@ -71,10 +95,14 @@ def collect(probe: bool = False) -> dict[str, Any]:
         "apex": _package("apex", "apex"),
         "transformer_engine": _package("transformer_engine", "transformer-engine", "transformer_engine"),
     }
-    try:
-        info = detect()
-    except MegatronNotFoundError as exc:
-        report["megatron_core"] = {"found": False, "error": str(exc)}
+    check = preflight(allow_untested=allow_untested)
+    report["releases"] = _releases()
+    report["verdict"] = check.as_dict()
+    info = check.info
+    if info is None:
+        report["megatron_core"] = {"found": False, "version_unknown": check.version_unknown,
+                                   "path": str(check.found_at) if check.found_at else None,
+                                   "error": check.problems[0]}
         return report
     report["megatron_core"] = {
         "found": True,
@@ -86,20 +114,21 @@ def collect(probe: bool = False) -> dict[str, Any]:
         "checkout": info.checkout,
         "warnings": list(info.warnings),
     }
-    report["support"] = _support(info.version)
+    report["support"] = check.status.as_dict() if check.status is not None else {}
+    report["environment"] = check.fit.as_dict() if check.fit is not None else None
     report["facts"] = _facts(info.version, probe)
     report["symbols"] = _symbols(info.version)
     report["patches"] = _patches(info.version)
     return report
 
 
-def _support(version: Any) -> dict[str, Any]:
-    try:
-        from .. import support
-    except ImportError as exc:  # pragma: no cover
-        return {"error": f"support matrix unavailable: {exc}"}
-    status = support.status(version)
-    return status.as_dict() if hasattr(status, "as_dict") else dict(vars(status))
+def _releases() -> list[dict[str, str]]:
+    """The listed releases: version, the Python the matrix tests it on, its limits."""
+    from .. import support
+
+    return [{"version": str(r.version), "python": r.python,
+             "limits": ", ".join(f"{'python' if k == 'requires_python' else k}{v}" for k, v in r.limits().items())}
+            for r in support.releases()]
 
 
 def _facts(version: Any, probe: bool) -> list[dict[str, Any]]:
@@ -182,80 +211,17 @@ def _patches(version: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def _patch_state(p: dict[str, Any]) -> str:
-    if p["applied"]:
-        return "APPLIED"
-    if p["skipped"]:
-        return f"SKIPPED, not applied ({p['skipped']})"
-    if p["refused"]:
-        return f"REFUSED ({p['refused']})"
-    return "not applied"
-
-
-def render(report: dict[str, Any]) -> str:
-    """The human-readable table form of :func:`collect`'s report."""
-    out: list[str] = []
-    t = report["torch"]
-    out.append(f"mcore-compat       {report['mcore_compat']}")
-    out.append(f"python             {report['python']['version']} ({report['python']['executable']})")
-    if t.get("present"):
-        cuda = f"CUDA {t['cuda_build']}, {t['device_count']} GPU(s)" if t["cuda_available"] else (
-            f"CUDA build {t['cuda_build']}, no GPU" if t["cuda_build"] else "CPU build")
-        out.append(f"torch              {t['version']} ({cuda})")
-    else:
-        out.append(f"torch              MISSING ({t.get('error')})")
-    for key, label in (("apex", "apex"), ("transformer_engine", "TransformerEngine")):
-        pkg = report[key]
-        out.append(f"{label:<18} {pkg['version'] or 'present' if pkg['present'] else 'not installed'}")
-    m = report["megatron_core"]
-    if not m["found"]:
-        out.append(f"megatron-core      NOT FOUND: {m['error']}")
-        return "\n".join(out)
-    where = "source checkout (no metadata)" if m["checkout"] else f"distribution {m['distribution']}"
-    out.append(f"megatron-core      {m['version']} (from {m['source']}; {where})")
-    out.append(f"  imported from    {m['path']}")
-    for w in m["warnings"]:
-        out.append(f"  WARNING          {w}")
-    s = report.get("support", {})
-    if s:
-        out.append(f"support            {s.get('summary', s)}")
-    out.append("")
-    rows = report.get("facts", [])
-    out.append("facts (table for this version" + (", probe of the real module)" if any(
-        "probe" in c for c in rows) else ")"))
-    for c in rows:
-        probe = ""
-        if "agrees" in c:
-            probe = "  probe=" + ("agrees" if c["agrees"] else f"DISAGREES ({c['probe']!r})")
-        elif "probe" in c:
-            probe = f"  probe={c['probe']}"
-        if c["flag"]:
-            out.append(f"  {'yes' if c['value'] is True else 'no ':<4} {c['name']:<40} {c['range']}{probe}")
-        else:
-            out.append(f"  {'=':<4} {c['name']:<40} {c['value']!r}{probe}")
-    out.append("")
-    out.append("import surface (mcore_compat.<name>)")
-    for s_ in report["symbols"]:
-        out.append(f"  {s_['name']:<32} {s_['location'] or 'unavailable (exists in ' + s_['available_in'] + ')'}")
-    out.append("")
-    out.append("patches for this version (applied only on request; targets checked against their fingerprints)")
-    for p in report["patches"]:
-        if p["applies"]:
-            need = {True: "needed here", False: "not needed here", None: "when asked"}[p["needed_here"]]
-            out.append(f"  {p['name']:<22} [{', '.join(p['purposes'])}] {need}, {_patch_state(p)}: "
-                       f"{p['description']}")
-    return "\n".join(out)
-
-
 def run(args: argparse.Namespace) -> int:
-    """Run ``doctor``; exit status 0, or 1 if megatron-core is missing or not the expected version."""
-    report = collect(probe=args.probe)
+    """Run ``doctor``; exit status 0 if the installation is usable, 1 if it is not (missing, unreadable, unsupported,
+    untested without ``--allow-untested``, the environment breaking the release's limits), not the expected
+    version, or a fact row disagrees with the probe."""
+    report = collect(probe=args.probe, allow_untested=args.allow_untested)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
-        print(render(report))
+        print(render(report, verbose=args.verbose or args.probe))
     m = report["megatron_core"]
-    if not m["found"]:
+    if not report["verdict"]["ok"]:
         return 1
     if args.expect_version and m["version"] != args.expect_version:
         print(f"error: expected megatron-core {args.expect_version}, but {m['version']} is imported from "

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_parser", "run"]
+__all__ = ["EXIT_ENVIRONMENT", "EXIT_FAIL", "EXIT_USAGE", "add_parser", "run"]
+
+#: Exit statuses (0: every check that applies passed).
+EXIT_FAIL = 1
+EXIT_USAGE = 2
+EXIT_ENVIRONMENT = 3
 
 #: Options that pick one configuration; ``--sweep`` runs its own list and refuses them.
 _CONFIG_FLAGS = ("tp", "pp", "dp", "vpp", "sequence_parallel", "overlap", "experts", "ep", "distributed_optimizer")
@@ -25,6 +32,9 @@ def add_parser(sub: Any) -> None:
         "derived fp32 rounding bound), model params equal the main params cast to the model dtype, replicated "
         "params are identical, param groups are as configured. Exit status 0 only if every check that applies "
         "passes. Use --nproc N to spawn N local ranks, or launch it under torchrun (any world size).",
+        epilog="Exit status: 0 every check that applies passed; 1 a check failed or a rank raised or hung; 2 bad "
+               "options; 3 the environment cannot run it (megatron-core missing, unreadable, unsupported, or "
+               "breaking its release's limits: nothing was started; `mcore-compat doctor` says how to fix it).",
     )
     p.add_argument("--nproc", type=int, default=None, help="local processes to spawn (default: torchrun's or 1)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 1)")
@@ -58,13 +68,23 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--fault", choices=sorted(FAULTS), default=None,
                    help="inject a known fault to see the check that catches it FAIL (a negative control)")
-    p.add_argument("--json", metavar="PATH", type=Path, default=None, help="also write the report as JSON")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a hung run is stopped")
+    p.add_argument("--json", metavar="PATH", type=Path, default=None,
+                   help="also write the report as JSON (checked to be writable before anything runs)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds the check may run once the ranks are up (their start-up, importing torch and "
+                        "Megatron, is not counted); a hung run is stopped and each rank's Python stacks printed "
+                        "(default 300)")
     p.add_argument("--sweep", action="store_true",
-                   help="run the standard configurations in one process group of --nproc ranks (default 2): "
-                        "DP with the distributed optimizer on and off, TP with sequence parallelism, PP with tied "
-                        "embeddings, PP with virtual stages, overlapped DP, MoE with expert parallelism (those the "
-                        "release can run); what the test matrix runs on every release")
+                   help="run the standard configurations in one process group of --nproc ranks (default 2; the "
+                        "options that pick one configuration, --tp/--pp/--dp/--vpp/--ep/--experts/--overlap/"
+                        "--sequence-parallel/--no-distributed-optimizer, are refused): DP=N with the distributed "
+                        "optimizer on and off, TP=N with sequence parallelism, PP=N with tied embeddings, PP=N with "
+                        "virtual stages, overlapped DP, MoE with expert parallelism (those the release can run); "
+                        "what the test matrix runs on every release")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="list every warning the ranks printed (by default: counted, each distinct one once with -v)")
+    p.add_argument("--debug", action="store_true",
+                   help="show tracebacks: of an environment problem, and of ranks that raised")
     p.set_defaults(func=run)
 
 
@@ -80,26 +100,105 @@ def _options(args: argparse.Namespace) -> Any:
                             clip_grad=args.clip_grad, seed=args.seed, timeout=args.timeout, fault=args.fault)
 
 
+def _error(message: str) -> None:
+    print(f"mcore-compat self-check: error: {message}", file=sys.stderr, flush=True)
+
+
+def _json_target_problem(path: Path | None) -> str | None:
+    """Why ``--json PATH`` cannot be written (``None``: it can), found before anything runs by opening it for
+    appending (a file that did not exist is removed again)."""
+    if path is None:
+        return None
+    if path.is_dir():
+        return f"--json {path}: is a directory; give a file name"
+    existed = path.exists()
+    try:
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        return f"--json {path}: cannot write there ({exc.strerror or exc})"
+    if not existed:
+        path.unlink(missing_ok=True)
+    return None
+
+
+def _write_json(path: Path, text: str) -> bool:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        _error(f"--json {path}: cannot write the report ({exc.strerror or exc})")
+        return False
+    return True
+
+
+def _preflight(args: argparse.Namespace) -> int | None:
+    """The environment check before any rank starts: ``None`` to go on, else the exit status (message printed)."""
+    from ..preflight import UnusableEnvironmentError, require
+    from ..rank0 import is_rank_0
+
+    try:
+        result = require(allow_untested=True)
+    except UnusableEnvironmentError as exc:
+        if is_rank_0():  # under torchrun every rank finds the same
+            print("mcore-compat self-check: cannot run here; nothing was started.", file=sys.stderr)
+            for line in exc.preflight.message().splitlines():
+                print(f"  {line}", file=sys.stderr)
+            print("  (`mcore-compat doctor` shows the whole installation)", file=sys.stderr, flush=True)
+            if args.debug:
+                traceback.print_exception(exc, file=sys.stderr)
+        return EXIT_ENVIRONMENT
+    if is_rank_0():
+        for note in result.notes:
+            print(f"note: {note} The self-check below tells whether it works.", flush=True)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the self-check; exit status 0 only if every check passed, 2 on bad options."""
+    """Run the self-check; exit status 0 only if every check passed, 1 if one failed or the run did not finish,
+    2 on bad options, 3 if the environment cannot run it (nothing started)."""
+    from ..errors import McoreCompatError
     from ..rank0 import is_rank_0
     from ..selfcheck import UsageError
     from ..selfcheck import run as run_selfcheck
 
+    problem = _sweep_conflicts(args) or _json_target_problem(args.json)
+    if problem:
+        _error(problem)
+        return EXIT_USAGE
+    stop = _preflight(args)
+    if stop is not None:
+        return stop
     opts = _options(args)
     if args.sweep:
         return _sweep(args, opts)
     try:
         report = run_selfcheck(opts)
     except UsageError as exc:
-        print(f"mcore-compat self-check: error: {exc}", file=sys.stderr)
-        return 2
+        _error(str(exc))
+        return EXIT_USAGE
+    except McoreCompatError as exc:  # under torchrun this rank raised (spawned ranks are reported in the report)
+        _error(f"rank {os.environ.get('RANK', '?')}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+               + ("" if args.debug else " (--debug shows the traceback)"))
+        if args.debug:
+            traceback.print_exception(exc, file=sys.stderr)
+        return EXIT_FAIL
 
     if is_rank_0():
-        print(report.render(), flush=True)
-        if args.json is not None:
-            args.json.write_text(report.to_json())
-    return 0 if report.ok else 1
+        print(report.render(verbose=args.verbose, debug=args.debug), flush=True)
+        if args.json is not None and not _write_json(args.json, report.to_json()):
+            return EXIT_FAIL
+    return 0 if report.ok else EXIT_FAIL
+
+
+def _sweep_conflicts(args: argparse.Namespace) -> str | None:
+    """``--sweep`` with options that pick one configuration: what to drop (``None``: nothing)."""
+    if not args.sweep:
+        return None
+    given = [f"--{f.replace('_', '-')}" if f != "distributed_optimizer" else "--no-distributed-optimizer"
+             for f in _CONFIG_FLAGS
+             if (getattr(args, f) is False if f == "distributed_optimizer" else getattr(args, f) not in (None, 0,
+                                                                                                          False))]
+    return f"--sweep runs its own configurations; drop {', '.join(given)} or drop --sweep" if given else None
 
 
 def _sweep(args: argparse.Namespace, opts: Any) -> int:
@@ -107,24 +206,16 @@ def _sweep(args: argparse.Namespace, opts: Any) -> int:
 
     from ..selfcheck import UsageError, run_sweep, standard_sweep
 
-    given = [f"--{f.replace('_', '-')}" if f != "distributed_optimizer" else "--no-distributed-optimizer"
-             for f in _CONFIG_FLAGS
-             if (getattr(args, f) is False if f == "distributed_optimizer" else getattr(args, f) not in (None, 0,
-                                                                                                          False))]
-    if given:
-        print(f"mcore-compat self-check: error: --sweep runs its own configurations; drop {', '.join(given)} or "
-              f"drop --sweep", file=sys.stderr)
-        return 2
     nproc = args.nproc or 2
     common = {k: v for k, v in opts.as_dict().items() if k not in ("nproc", *_CONFIG_FLAGS, "timeout")}
     try:
         configs, skipped = standard_sweep(nproc, with_skipped=True, **common)
         reports = run_sweep(configs, nproc, device=args.device, timeout=args.timeout) if configs else []
     except UsageError as exc:
-        print(f"mcore-compat self-check: error: {exc}", file=sys.stderr)
-        return 2
+        _error(str(exc))
+        return EXIT_USAGE
     for r in reports:
-        print(r.render(), flush=True)
+        print(r.render(verbose=args.verbose, debug=args.debug), flush=True)
         print()
     for name, why in skipped:
         print(f"not run: {name}: {why}")
@@ -132,6 +223,7 @@ def _sweep(args: argparse.Namespace, opts: Any) -> int:
     tail = f", {len(skipped)} not run on this release" if skipped else ""
     print(f"self-check sweep: {'PASS' if not bad and reports else 'FAIL'} ({len(reports) - bad}/{len(reports)} "
           f"configurations{tail})")
-    if args.json is not None:
-        args.json.write_text(json.dumps([json.loads(r.to_json()) for r in reports], indent=2))
-    return 0 if not bad and reports else 1
+    if args.json is not None and not _write_json(args.json, json.dumps([json.loads(r.to_json()) for r in reports],
+                                                                        indent=2)):
+        return EXIT_FAIL
+    return 0 if not bad and reports else EXIT_FAIL

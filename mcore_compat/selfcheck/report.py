@@ -60,13 +60,20 @@ class Report:
         checks: merged checks, in the order they ran.
         settings: the configuration checked (world size, tp/pp/dp, dtype, ...).
         environment: versions of python/torch/megatron-core, device.
-        error: set when the run itself failed (a rank raised or hung) before finishing its checks.
+        error: set when the run itself failed (a rank raised or hung) before finishing its checks: one line.
+        tracebacks: rank -> the traceback of a rank that raised (shown by :meth:`render` with ``debug=True``).
+        stacks: rank -> the Python stacks of a rank stopped at the timeout (always shown, one rank after another).
+        warnings: the distinct warnings the ranks recorded (Megatron's, torch's; see
+            :func:`~mcore_compat.selfcheck.noise.merge`): counted by :meth:`render`, listed with ``verbose=True``.
     """
 
     checks: list[Check] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    tracebacks: dict[int, str] = field(default_factory=dict)
+    stacks: dict[int, str] = field(default_factory=dict)
+    warnings: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -102,25 +109,51 @@ class Report:
         return (f"self-check: FAIL ({len(bad)} of {len(applicable)} failed: {', '.join(c.name for c in bad)}"
                 f"{tail})")
 
-    def render(self) -> str:
-        """Human-readable report: settings, one line per check, the summary line."""
-        lines = ["settings: " + ", ".join(f"{k}={v}" for k, v in self.settings.items())]
+    def render(self, verbose: bool = False, debug: bool = False) -> str:
+        """Human-readable report: the ranks' warnings (counted, or listed with ``verbose``), settings, one line per
+        check, a run error with the hung ranks' stacks (and, with ``debug``, the failed ranks' tracebacks), the
+        summary line."""
+        lines = _warning_lines(self.warnings, verbose)
+        lines.append("settings: " + ", ".join(f"{k}={v}" for k, v in self.settings.items()))
         if self.environment:
             lines.append("environment: " + ", ".join(f"{k}={v}" for k, v in self.environment.items()))
         for c in self.checks:
             where = f" (ranks {', '.join(map(str, c.ranks))})" if c.ranks else ""
             lines.append(f"  {c.status:<4}  {c.name:<28} {c.detail}{where}")
-        if self.error:
-            lines.append(f"error: {self.error}")
+        for rank, stack in sorted(self.stacks.items()):
+            lines += [f"--- rank {rank}: Python stacks when it was stopped ---", stack.rstrip()]
+        if debug:
+            for rank, tb in sorted(self.tracebacks.items()):
+                lines += [f"--- rank {rank}: traceback ---", tb.rstrip()]
         lines.append(self.summary_line())
+        if self.tracebacks and not debug:
+            lines.append("(the ranks' tracebacks: --debug, or report.render(debug=True))")
         return "\n".join(lines)
 
     def to_json(self) -> str:
         """The report as JSON (``ok`` included; every check with its ``status``)."""
         return json.dumps({"ok": self.ok, "summary": self.summary_line(), "settings": self.settings,
                            "environment": self.environment, "error": self.error,
-                           "checks": [{**asdict(c), "status": c.status} for c in self.checks]},
+                           "checks": [{**asdict(c), "status": c.status} for c in self.checks],
+                           "tracebacks": {str(r): t for r, t in sorted(self.tracebacks.items())},
+                           "stacks": {str(r): t for r, t in sorted(self.stacks.items())},
+                           "warnings": self.warnings},
                           indent=2, default=str)
+
+
+def _warning_lines(recorded: list[dict[str, Any]], verbose: bool) -> list[str]:
+    """One line counting the ranks' distinct warnings, or (``verbose``) each of them once."""
+    if not recorded:
+        return []
+    total = sum(int(w.get("count", 1)) for w in recorded)
+    if not verbose:
+        return [f"warnings: {len(recorded)} distinct on the ranks ({total} in all, printed by Megatron, torch or "
+                f"mcore-compat while importing and training); -v lists each once"]
+    lines = [f"warnings from the ranks ({len(recorded)} distinct, {total} in all), each once:"]
+    for w in recorded:
+        ranks = ", ".join(map(str, w.get("ranks", [])))
+        lines.append(f"  {w['category']} at {w['where']} (ranks {ranks}): {w['message']}")
+    return lines
 
 
 def merge_rank_checks(per_rank: list[list[Check]]) -> list[Check]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import threading
 from dataclasses import replace
@@ -9,7 +11,9 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import McoreCompatError
-from ..launch import Group, RankFailure, RankTimeout, spawn
+from ..launch import Group, RankFailure, RankTimeout, check_not_bootstrapping, spawn
+from ..preflight import require
+from . import noise
 from .options import SelfCheckOptions, UsageError
 from .report import Check, Report, merge_rank_checks
 
@@ -25,10 +29,30 @@ def _under_torchrun(opts: SelfCheckOptions) -> bool:
     return opts.nproc is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _spawned_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
+def _start_rank(device: str) -> None:
+    """At a spawned rank's start-up (before the timeout counts): record warnings instead of printing them, apply
+    the patches the device needs and import Megatron, so that ``--timeout`` measures the check itself."""
+    from .. import patches
+
+    noise.capture()
+    patches.apply_for_device(device)
+    importlib.import_module("megatron.core")
+
+
+def _spawned_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any], list[tuple[str, str, str]]]:
     from .worker import run_rank
 
-    return run_rank(opts)
+    checks, env = run_rank(opts)
+    return checks, env, noise.drain()
+
+
+def _failed(report: Report, exc: RankFailure | RankTimeout) -> None:
+    """A run that did not finish: one line of error, the tracebacks (``--debug``) or the hung ranks' stacks."""
+    report.error = exc.summary
+    if isinstance(exc, RankFailure):
+        report.tracebacks = {r: t for r, t in exc.failures.items() if "Traceback" in t}
+    else:
+        report.stacks = dict(exc.stacks)
 
 
 def _watchdog(timeout: float) -> threading.Timer:
@@ -53,7 +77,12 @@ def run(options: SelfCheckOptions | None = None, **overrides: Any) -> Report:
 
     Raises:
         UsageError: the options cannot work together.
+        UnusableEnvironmentError: megatron-core is missing, its version cannot be told, it is older than every
+            supported release, or the environment breaks its limits (checked before any rank starts;
+            :mod:`mcore_compat.preflight`).
     """
+    check_not_bootstrapping()
+    require(allow_untested=True)
     opts = replace(options or SelfCheckOptions(), **overrides) if overrides else (options or SelfCheckOptions())
     torchrun = _under_torchrun(opts)
     opts = opts.resolved()
@@ -64,31 +93,40 @@ def run(options: SelfCheckOptions | None = None, **overrides: Any) -> Report:
         from ..detect import detect
 
         raise UsageError(f"megatron-core {detect().version} cannot run {opts.label()}: {why}")
-    report = Report(settings={k: v for k, v in opts.as_dict().items() if k not in ("timeout",)})
+    settings = {k: v for k, v in opts.as_dict().items() if k not in ("timeout",)}
+    settings["nproc"] = opts.world_size()  # under torchrun: its world size, not the unset --nproc
+    report = Report(settings=settings)
     if torchrun:
         import torch.distributed as dist
 
         from ..launch import init_from_env
         from .worker import run_rank
 
-        timer = _watchdog(opts.timeout)
+        init_from_env(device=opts.device or "cpu", timeout_s=max(opts.timeout, 600.0))
         try:
-            init_from_env(device=opts.device or "cpu", timeout_s=opts.timeout)
-            checks, env = run_rank(opts)
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, checks)
+            _start_rank(opts.device or "cpu")  # as a spawned rank's start-up: not counted by the watchdog
+            timer = _watchdog(opts.timeout)
+            try:
+                checks, env = run_rank(opts)
+                gathered: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(gathered, (checks, noise.drain()))
+            finally:
+                timer.cancel()
         finally:
-            timer.cancel()
-        report.checks = merge_rank_checks(gathered)
+            noise.release()
+        report.checks = merge_rank_checks([c for c, _ in gathered])
+        report.warnings = noise.merge([w for _, w in gathered])
         report.environment = env
         return report
+    device = opts.device or "cpu"
     try:
-        per_rank = spawn(_spawned_rank, opts.nproc or 1, args=(opts,), device=opts.device or "cpu",
-                         timeout=opts.timeout)
+        per_rank = spawn(_spawned_rank, opts.nproc or 1, args=(opts,), device=device, timeout=opts.timeout,
+                         init=functools.partial(_start_rank, device))
     except (RankFailure, RankTimeout) as exc:
-        report.error = str(exc)
+        _failed(report, exc)
         return report
-    report.checks = merge_rank_checks([checks for checks, _ in per_rank])
+    report.checks = merge_rank_checks([checks for checks, _, _ in per_rank])
+    report.warnings = noise.merge([w for _, _, w in per_rank])
     report.environment = per_rank[0][1]
     return report
 
@@ -97,7 +135,8 @@ def run(options: SelfCheckOptions | None = None, **overrides: Any) -> Report:
 _PEER_WAIT = timedelta(seconds=60)
 
 
-def _spawned_sweep(configs: list[SelfCheckOptions]) -> list[tuple[list[Check], dict[str, Any], str | None]]:
+def _spawned_sweep(configs: list[SelfCheckOptions]) -> tuple[list[tuple[list[Check], dict[str, Any], str | None]],
+                                                              list[tuple[str, str, str]]]:
     import traceback
 
     import torch.distributed as dist
@@ -131,7 +170,7 @@ def _spawned_sweep(configs: list[SelfCheckOptions]) -> list[tuple[list[Check], d
                 raise _SweepStopped(f"configuration {index} ({opts.as_dict()}) failed on this rank and its peers "
                                     f"did not follow ({stuck})") from exc
             destroy_process_groups_since(before)
-    return out
+    return out, noise.drain()
 
 
 def run_sweep(configs: list[SelfCheckOptions], nproc: int, *, device: str | None = None,
@@ -146,8 +185,15 @@ def run_sweep(configs: list[SelfCheckOptions], nproc: int, *, device: str | None
 
     Returns:
         One :class:`Report` per configuration, in order. A configuration that raised on some rank gets
-        ``report.error`` set; a rank that dies or hangs fails every report of the sweep (named ranks).
+        ``report.error`` set; a rank that dies or hangs fails every report of the sweep (named ranks). The ranks'
+        warnings are in the first report (``report.warnings``).
+
+    Raises:
+        UsageError: ``group`` does not match ``nproc`` and the device.
+        UnusableEnvironmentError: see :func:`run` (checked before any rank starts).
     """
+    check_not_bootstrapping()
+    require(allow_untested=True)
     resolved = [replace(c, nproc=nproc, device=device or c.device).resolved() for c in configs]
     reports = [Report(settings={k: v for k, v in c.as_dict().items() if k != "timeout"}) for c in resolved]
     run_on = resolved[0].device or "cpu"
@@ -156,19 +202,24 @@ def run_sweep(configs: list[SelfCheckOptions], nproc: int, *, device: str | None
                          f"{nproc} on {run_on!r}; pass a Group(nproc, device=...) that matches, or no group")
     try:
         if group is not None:
-            per_rank = group.run(_spawned_sweep, args=(resolved,), timeout=timeout)
+            answers = group.run(_spawned_sweep, args=(resolved,), timeout=timeout)
         else:
-            per_rank = spawn(_spawned_sweep, nproc, args=(resolved,), device=run_on, timeout=timeout)
+            answers = spawn(_spawned_sweep, nproc, args=(resolved,), device=run_on, timeout=timeout,
+                            init=functools.partial(_start_rank, run_on))
     except (RankFailure, RankTimeout) as exc:
         for r in reports:
-            r.error = str(exc)
+            _failed(r, exc)
         return reports
+    per_rank = [results for results, _ in answers]
+    if reports:
+        reports[0].warnings = noise.merge([w for _, w in answers])
     for i, report in enumerate(reports):
         errors = [(rank, res[i][2]) for rank, res in enumerate(per_rank) if res[i][2]]
         if errors:
             rank, tb = errors[0]
             last = [ln for ln in (tb or "").strip().splitlines() if ln.strip()]
-            report.error = f"rank {rank}: {last[-1] if last else 'error'}\n{tb}"
+            report.error = f"rank {rank}: {last[-1] if last else 'error'}"
+            report.tracebacks = {r: t for r, t in errors if t}
             continue
         report.checks = merge_rank_checks([res[i][0] for res in per_rank])
         report.environment = per_rank[0][i][1]

@@ -452,7 +452,8 @@ class StepVerifier:
         else:
             out.append(_verdict("grads_match_reference", tl["grads"],
                                 f"{steps} step(s): finalized gradients vs a plain-autograd reference, worst "
-                                f"{tl['grads'].worst:.3g} of the bound 2(k-1)u*sum|terms| ({tl['grads'].where})",
+                                f"{tl['grads'].worst:.3g} of the bound 2(k-1)u*sum|terms| "
+                                f"({tl['grads'].where or 'every element equal'})",
                                 "no gradient on this rank"))
         norm_na = self.view.unsupported or (not tl["norm"].applicable and tl["norm"].note)
         if norm_na:

@@ -11,7 +11,8 @@ The data lives in ``matrix/versions.toml`` (the single source of truth of suppor
 
 The modules: :mod:`.errors` (:class:`MatrixFileError`, :class:`MatrixNotFoundError` and the general errors of
 :mod:`mcore_compat.errors` it raises), :mod:`.model` (:class:`Release`, :class:`SupportStatus`), :mod:`.files` (where ``matrix/`` is),
-:mod:`.parse` (reading ``versions.toml``), :mod:`.matrix` (:class:`Matrix` and the module-level functions),
+:mod:`.parse` (reading ``versions.toml``), :mod:`.fit` (an environment against a release's limits, and the pip
+command that repairs it), :mod:`.matrix` (:class:`Matrix` and the module-level functions),
 :mod:`.render` (the generated README), :mod:`.cli` (the command line).
 
 This package needs only the standard library and ``packaging`` (plus ``tomli`` on Python 3.10), and imports nothing
@@ -23,19 +24,26 @@ from __future__ import annotations
 
 from .cli import main
 from .errors import MatrixFileError, MatrixNotFoundError
+from .fit import Fit, Misfit, fit, installed_versions, newest_for_python, pip_command
 from .matrix import Matrix, base_requirements, record_result, releases, render_table, results, status
 from .model import INSTALL_KINDS, RESULT_KINDS, Release, SupportStatus
 
 __all__ = [
     "INSTALL_KINDS",
     "RESULT_KINDS",
+    "Fit",
     "Matrix",
     "MatrixFileError",
     "MatrixNotFoundError",
+    "Misfit",
     "Release",
     "SupportStatus",
     "base_requirements",
+    "fit",
+    "installed_versions",
     "main",
+    "newest_for_python",
+    "pip_command",
     "record_result",
     "releases",
     "render_table",

@@ -37,7 +37,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _cmd_list(args: argparse.Namespace) -> int:
     for r in Matrix(args.matrix_dir).releases():
-        print(f"{r.version!s:<8} python {r.python}  {r.session:<14} tags={','.join(r.tags)}")
+        limits = ",".join(f"{'python' if k == 'requires_python' else k}{v}" for k, v in r.limits().items())
+        print(f"{r.version!s:<8} python {r.python}  {r.session:<14} limits={limits or '-'}  tags={','.join(r.tags)}")
     return 0
 
 
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("version")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_status)
-    sub.add_parser("list", help="the listed releases").set_defaults(func=_cmd_list)
+    sub.add_parser("list", help="the listed releases, with the Python they are tested on and their limits "
+                                "(python, torch, numpy, setuptools)").set_defaults(func=_cmd_list)
     args = parser.parse_args(argv)
     return int(args.func(args))
