@@ -58,7 +58,7 @@ def _chunk_list(chunks: Any) -> list[Any]:
 
 def _buffers(chunk: Any) -> list[Any]:
     dense_attr, _ = fact("ddp_buffer_attrs")
-    if not hasattr(chunk, dense_attr):  # not wrapped in Megatron's DDP: parameters only
+    if not isinstance(getattr(chunk, dense_attr, None), (list, dict)):  # not Megatron's DDP: parameters only
         return []
     return [b for b, _ in ddp_buffers(chunk, _installed())]
 
