@@ -7,6 +7,7 @@ that never offloads. ``run_all()`` returns plain data (bools, byte counts, names
 
 from __future__ import annotations
 
+import functools
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -268,12 +269,12 @@ def case_fault(bf16: bool, distopt: bool) -> dict[str, Any]:
     binding = bind_params(chunks)
     _step(*run, seed=0), _step(*twin, seed=0)
     keys = _storage_keys(chunks, opt)
-    _storage.refill = recreate  # type: ignore[assignment]
+    _storage.refill = recreate
     try:
         mc.offload(chunks, opt)
         mc.reload(chunks, opt)
     finally:
-        _storage.refill = refill  # type: ignore[assignment]
+        _storage.refill = refill
     out: dict[str, Any] = {"status": "ok", "alias_problems": _aliasing(chunks, opt, keys),
                            "verify_error": _verify_error(binding)}
     for seed in range(1, 4):
@@ -286,7 +287,7 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
     """Every case, by name, in the order they run."""
     out: dict[str, Callable[[], dict[str, Any]]] = {}
     for name, (bf16, distopt) in CONFIGS.items():
-        out[f"cycles-{name}"] = lambda b=bf16, d=distopt: case_cycles(b, d)
+        out[f"cycles-{name}"] = functools.partial(case_cycles, bf16, distopt)
     out["fault-fp32-distopt"] = lambda: case_fault(False, True)
     out["fault-fp32-plain"] = lambda: case_fault(False, False)
     return out
