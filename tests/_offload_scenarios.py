@@ -97,17 +97,19 @@ def _buffers(chunks: list[Any]) -> list[tuple[str, Any]]:
     return out
 
 
-def _opt_tensors(opt: Any) -> list[tuple[str, Any]]:
-    """(label, tensor) of the optimizer's main params and state, in a fixed order."""
+def _opt_tensors(chunks: list[Any], opt: Any) -> list[tuple[str, Any]]:
+    """(label, tensor) of the optimizer's main params and state, labelled by model param and range (the order
+    of the main params may differ between two builds)."""
     from mcore_compat.selfcheck.optimizer_view import optimizer_view
 
-    view = optimizer_view(opt)
+    names = {p: n for n, p in _named_params(chunks).items()}
     out = []
-    for i, mp in enumerate(view):
-        out.append((f"main{i}", mp.main))
+    for mp in optimizer_view(opt, names):
+        label = f"{mp.name}[{mp.start}:{mp.end}]"
+        out.append((label, mp.main))
         state = mp.inner.state.get(mp.main, {})
-        out.extend((f"main{i}.{k}", v) for k, v in sorted(state.items()) if hasattr(v, "untyped_storage"))
-    return out
+        out.extend((f"{label}.{k}", v) for k, v in sorted(state.items()) if hasattr(v, "untyped_storage"))
+    return sorted(out, key=lambda item: item[0])
 
 
 def _labelled(chunks: list[Any], opt: Any) -> dict[str, list[tuple[str, Any]]]:
@@ -116,7 +118,7 @@ def _labelled(chunks: list[Any], opt: Any) -> dict[str, list[tuple[str, Any]]]:
     bufs = _buffers(chunks)
     return {"params": params + [b for b in bufs if b[0].endswith("param_data")],
             "grads": grads + [b for b in bufs if b[0].endswith("grads")],
-            "optimizer_state": _opt_tensors(opt)}
+            "optimizer_state": _opt_tensors(chunks, opt)}
 
 
 def _nbytes(chunks: list[Any], opt: Any) -> dict[str, dict[str, int]]:

@@ -32,6 +32,14 @@ def _get(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
     return per_rank
 
 
+def _has_param_buffer(version: str) -> bool:
+    """Whether DDP keeps the params in a buffer (param_data) with the distributed optimizer; without one (0.4/0.5)
+    the optimizer writes through ``param.data``, so a rebound param keeps training."""
+    from mcore_compat.layout import layout_fact
+
+    return bool(layout_fact("param_data_with_distopt", version))
+
+
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", CYCLE_CASES)
 def test_offload_frees_every_piece(results: dict[str, Any], name: str) -> None:
@@ -94,6 +102,7 @@ def test_recreating_reload_is_caught(results: dict[str, Any], name: str) -> None
         assert r["alias_problems"], "storage re-created on reload went unnoticed"
         if name.endswith("distopt"):
             assert r["verify_error"] is not None
+        if name.endswith("distopt") and _has_param_buffer(results["version"]):
             assert any(n.startswith("params:") for n in r["twin_differences"]), "training matched the twin"
 
 
