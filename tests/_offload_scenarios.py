@@ -16,21 +16,25 @@ from _training_scenarios import H, _full_weights, _tiny_model, _transformer_conf
 
 LR = 1e-2
 CYCLES = 10  # offload/reload cycles, a step before each
-CONFIGS = {"fp32-plain": (False, False), "fp32-distopt": (False, True), "bf16-plain": (True, False),
-           "bf16-distopt": (True, True)}
+#: name -> (bf16, distributed optimizer, expert params)
+CONFIGS = {"fp32-plain": (False, False, False), "fp32-distopt": (False, True, False),
+           "bf16-plain": (True, False, False), "bf16-distopt": (True, True, False),
+           "bf16-distopt-expert": (True, True, True)}
+EXPERT_PREFIX = "fc2."  # with expert=True, chunk 0's params marked expert (allreduce=False), EP=2
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------------------------------------------
 
-def _init_parallel() -> None:
+def _init_parallel(expert: bool = False) -> None:
     from mcore_compat.training._common import parallel_state
 
     ps = parallel_state()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                 **({"expert_model_parallel_size": 2} if expert else {}))
 
 
 def _core(chunk: Any) -> Any:
@@ -39,8 +43,9 @@ def _core(chunk: Any) -> Any:
     return unwrap(chunk)
 
 
-def _build(bf16: bool, distopt: bool) -> tuple[list[Any], Any]:
-    """Two DDP-wrapped TinyMLP chunks (the second's fc2.bias frozen) and their optimizer."""
+def _build(bf16: bool, distopt: bool, expert: bool = False) -> tuple[list[Any], Any]:
+    """Two DDP-wrapped TinyMLP chunks (the second's fc2.bias frozen; with ``expert``, the first's fc2 params
+    expert-parallel) and their optimizer."""
     import torch
 
     from mcore_compat import training as mt
@@ -52,6 +57,8 @@ def _build(bf16: bool, distopt: bool) -> tuple[list[Any], Any]:
         for i, m in enumerate(modules):
             for name, p in m.named_parameters():
                 p.copy_((full[name] * (1 + i)).to(dtype))
+                if expert and i == 0 and name.startswith(EXPERT_PREFIX):
+                    setattr(p, "allreduce", False)  # Megatron's mark of expert-parallel params
     modules[1].fc2.bias.requires_grad_(False)
     chunks = mt.wrap_ddp(modules, ddp_config=mt.DDPConfig(use_distributed_optimizer=distopt,
                                                           grad_reduce_in_fp32=bf16))
@@ -80,6 +87,13 @@ def _step(chunks: list[Any], opt: Any, seed: int) -> bool:
 
 def _named_params(chunks: list[Any]) -> dict[str, Any]:
     return {f"chunk{c}.{n}": p for c, ch in enumerate(chunks) for n, p in _core(ch).named_parameters()}
+
+
+def _expert_buffers(chunks: list[Any]) -> int:
+    from mcore_compat.detect import detect
+    from mcore_compat.layout.read import ddp_buffers
+
+    return sum(is_expert for chunk in chunks for _, is_expert in ddp_buffers(chunk, detect().version))
 
 
 def _buffers(chunks: list[Any]) -> list[tuple[str, Any]]:
@@ -133,9 +147,13 @@ def _storage_keys(chunks: list[Any], opt: Any) -> dict[str, int]:
 def _aliasing(chunks: list[Any], opt: Any, before: dict[str, int]) -> list[str]:
     """What no longer aliases what it did (storage objects replaced), and params / main_grads that are not in
     DDP's buffers (where the release puts them there)."""
+    from mcore_compat.capabilities import fact
+
     problems = [n for n, key in _storage_keys(chunks, opt).items() if before.get(n) != key]
     buffer_keys = {t.untyped_storage()._cdata for _, t in _buffers(chunks)}
     for name, p in _named_params(chunks).items():
+        if not getattr(p, "allreduce", True) and not fact("expert_buffers"):
+            continue  # 0.4/0.5: an expert param's main_grad is a tensor of its own
         if p.requires_grad and getattr(p, "main_grad", None) is not None \
                 and p.main_grad.untyped_storage()._cdata not in buffer_keys:
             problems.append(f"{name}.main_grad outside the grad buffer")
@@ -189,7 +207,7 @@ def _host_ptrs() -> dict[int, tuple[int, int]]:
 # cases
 # ----------------------------------------------------------------------------------------------------------------
 
-def case_cycles(bf16: bool, distopt: bool) -> dict[str, Any]:
+def case_cycles(bf16: bool, distopt: bool, expert: bool = False) -> dict[str, Any]:
     """Offload everything, check it is freed, reload, check nothing is lost or detached; then CYCLES cycles
     (full, then grads + optimizer only, then full, ...) interleaved with steps, against a twin."""
     import torch
@@ -197,8 +215,8 @@ def case_cycles(bf16: bool, distopt: bool) -> dict[str, Any]:
     import mcore_compat as mc
     from mcore_compat.binding import bind_params
 
-    _init_parallel()
-    run, twin = _build(bf16, distopt), _build(bf16, distopt)
+    _init_parallel(expert)
+    run, twin = _build(bf16, distopt, expert), _build(bf16, distopt, expert)
     chunks, opt = run
     binding = bind_params(chunks)
     initial = {n: p.detach().clone() for n, p in _named_params(chunks).items()}
@@ -216,6 +234,7 @@ def case_cycles(bf16: bool, distopt: bool) -> dict[str, Any]:
         "not_freed": sorted(f"{piece}:{n}" for piece, sizes in after_offload.items() for n, b in sizes.items()
                             if b),
         "counted": {piece: len(sizes) for piece, sizes in after_offload.items()},
+        "expert_buffers": _expert_buffers(chunks),
         "changed_by_cycle": _differences(before, _clone_all(chunks, opt)),
         "alias_problems": _aliasing(chunks, opt, keys),
         "verify_error": _verify_error(binding),
@@ -288,8 +307,8 @@ def case_fault(bf16: bool, distopt: bool) -> dict[str, Any]:
 def cases() -> dict[str, Callable[[], dict[str, Any]]]:
     """Every case, by name, in the order they run."""
     out: dict[str, Callable[[], dict[str, Any]]] = {}
-    for name, (bf16, distopt) in CONFIGS.items():
-        out[f"cycles-{name}"] = functools.partial(case_cycles, bf16, distopt)
+    for name, (bf16, distopt, expert) in CONFIGS.items():
+        out[f"cycles-{name}"] = functools.partial(case_cycles, bf16, distopt, expert)
     out["fault-fp32-distopt"] = lambda: case_fault(False, True)
     out["fault-fp32-plain"] = lambda: case_fault(False, False)
     return out
