@@ -171,3 +171,26 @@ def test_offloaded_context_reloads_on_error() -> None:
         assert moved.params == (6 + 2) * 4 and weight.untyped_storage().nbytes() == 0
         raise KeyError("inside")
     assert module.weight is weight and torch.equal(weight.detach(), expected)
+
+
+@pytest.mark.mcore
+def test_grads_recreated_every_step_reuse_host_buffers() -> None:
+    """A ``.grad`` replaced by new memory every step (a Float16Optimizer's main grads): each cycle offloads a new
+    storage, whose host buffer is the spare one left by the last cycle's, so host memory stays bounded."""
+    from mcore_compat.lifecycle import _host, host_bytes, offload, release_host_buffers, reload
+
+    module = torch.nn.Linear(4, 3)
+    release_host_buffers()
+    counts, sizes = [], []
+    for cycle in range(10):
+        for p in module.parameters():
+            p.grad = torch.full_like(p, float(cycle))  # new storage, the old one freed
+        moved = offload([module], params=False)
+        assert moved.grads == (12 + 3) * 4 and all(p.grad.untyped_storage().nbytes() == 0
+                                                   for p in module.parameters())
+        counts.append(_host.allocations())
+        sizes.append(host_bytes())
+        reload([module], params=False)
+        assert all(torch.equal(p.grad, torch.full_like(p, float(cycle))) for p in module.parameters())
+    assert len(set(counts)) == 1, counts  # no host allocation after the first cycle
+    assert max(sizes) <= 2 * moved.grads  # bounded (at most the spares of one cycle besides the live ones)

@@ -1,9 +1,10 @@
 """Host copies of device storages: one buffer per storage, allocated on its first offload and reused after.
 
 A storage is known by its ``StorageImpl`` (``untyped_storage()._cdata``), the object every view of it shares and
-that ``resize_`` keeps. Each slot remembers the tensor it was found through (weakly: a slot whose tensor is gone is
-dropped) and, while the storage is offloaded, holds the storage itself, so that it cannot be freed and its key
-reused before it is refilled.
+that ``resize_`` keeps. Each slot remembers the tensor it was found through (weakly: a slot whose tensor is gone,
+or now on other storage, is dropped, and its host buffer kept as a spare for the next new storage of that size) and,
+while the storage is offloaded, holds the storage itself, so that it cannot be freed and its key reused before it
+is refilled. Host memory is therefore bounded by the bytes offloaded at once, cycle after cycle.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HostSlot", "host_bytes", "release_host_buffers", "slot_for", "slots"]
+__all__ = ["HostSlot", "allocations", "host_bytes", "release_host_buffers", "slot_for", "slots"]
 
 
 @dataclass(eq=False)
@@ -43,14 +44,37 @@ class HostSlot:
         return self.storage is not None
 
     def ensure_host(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """The host buffer, allocated (pinned for CUDA storages) only if there is none of ``nbytes`` yet."""
+        """The host buffer: this slot's own when it has ``nbytes``, else a spare one of that size left by a storage
+        that is gone (a main param's ``.grad`` re-created every step), else a new one (pinned for CUDA)."""
         if self.host is None or self.host.numel() != nbytes:
-            self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-            self.allocations += 1
+            if self.host is not None:
+                _spare(self.host)
+            pinned = device.type == "cuda"
+            spares = _SPARE.get((nbytes, pinned))
+            if spares:
+                self.host = spares.pop()
+            else:
+                self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+                self.allocations += 1
+                _COUNTS["allocations"] += 1
         return self.host
 
 
 _SLOTS: dict[int, HostSlot] = {}
+#: How many host buffers were allocated in this process.
+_COUNTS = {"allocations": 0}
+#: Host buffers of storages that are gone, by (bytes, pinned), for the next new storage of that size.
+_SPARE: dict[tuple[int, bool], list[torch.Tensor]] = {}
+
+
+def _spare(host: torch.Tensor) -> None:
+    _SPARE.setdefault((host.numel(), host.is_pinned()), []).append(host)
+
+
+def _drop(key: int) -> None:
+    slot = _SLOTS.pop(key)
+    if slot.host is not None:
+        _spare(slot.host)
 
 
 def _alive(slot: HostSlot) -> bool:
@@ -63,6 +87,8 @@ def slot_for(tensor: torch.Tensor) -> HostSlot:
     key = tensor.untyped_storage()._cdata
     slot = _SLOTS.get(key)
     if slot is None or not _alive(slot):
+        if slot is not None:
+            _drop(key)
         slot = HostSlot(key, weakref.ref(tensor))
         _SLOTS[key] = slot
     return slot
@@ -71,17 +97,23 @@ def slot_for(tensor: torch.Tensor) -> HostSlot:
 def slots() -> list[HostSlot]:
     """Every live slot (stale ones dropped)."""
     for key in [k for k, s in _SLOTS.items() if not _alive(s)]:
-        del _SLOTS[key]
+        _drop(key)
     return list(_SLOTS.values())
+
+
+def allocations() -> int:
+    """How many host buffers were allocated in this process (each storage's first offload, or a new size)."""
+    return _COUNTS["allocations"]
 
 
 def host_bytes() -> int:
     """Bytes of host memory held by the host copies of offloaded (or once offloaded) storages.
 
     Returns:
-        The sum of the sizes of every live host buffer.
+        The sum of the sizes of every host buffer (spare ones, left by storages that are gone, included).
     """
-    return sum(s.host.numel() for s in slots() if s.host is not None)
+    live = sum(s.host.numel() for s in slots() if s.host is not None)
+    return live + sum(h.numel() for spares in _SPARE.values() for h in spares)
 
 
 def release_host_buffers() -> int:
@@ -91,7 +123,8 @@ def release_host_buffers() -> int:
     Returns:
         The number of bytes released.
     """
-    freed = 0
+    freed = sum(h.numel() for spares in _SPARE.values() for h in spares)
+    _SPARE.clear()
     for slot in slots():
         if not slot.offloaded and slot.host is not None:
             freed += slot.host.numel()

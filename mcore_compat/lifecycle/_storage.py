@@ -16,7 +16,7 @@ import torch
 from ._host import HostSlot
 from .errors import OffloadError
 
-__all__ = ["copy_out", "refill", "release", "synchronize"]
+__all__ = ["copy_out", "empty_cache", "refill", "release", "synchronize"]
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -83,3 +83,9 @@ def synchronize(devices: set[torch.device]) -> None:
     for device in devices:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+
+def empty_cache(devices: set[torch.device]) -> None:
+    """Return the freed blocks of CUDA devices to the driver (for another process or allocator to use)."""
+    if any(device.type == "cuda" for device in devices):
+        torch.cuda.empty_cache()

@@ -18,7 +18,7 @@ import torch
 
 from . import _storage
 from ._collect import PIECES, StorageGroup, collect
-from ._host import slot_for
+from ._host import slot_for, slots
 
 __all__ = ["Moved", "offload", "offloaded", "reload"]
 
@@ -56,7 +56,7 @@ def _moved(sizes: dict[str, int]) -> Moved:
 
 
 def offload(chunks: Any, optimizer: Any = None, *, params: bool = True, grads: bool = True,
-            optimizer_state: bool = True) -> Moved:
+            optimizer_state: bool = True, empty_cache: bool = True) -> Moved:
     """Move the chosen pieces of the model chunks and the optimizer to host memory and free their device memory.
 
     Every storage is copied into its host buffer (allocated on its first offload, reused later) and resized to 0
@@ -71,6 +71,8 @@ def offload(chunks: Any, optimizer: Any = None, *, params: bool = True, grads: b
             otherwise, frozen params included).
         grads: offload the gradient buffers and ``main_grad`` tensors.
         optimizer_state: offload the optimizer's fp32 main params and its state (Adam moments).
+        empty_cache: on CUDA, hand the freed memory back to the driver (``torch.cuda.empty_cache()``), so that
+            another process (an inference engine) can use it; ``False`` keeps it in PyTorch's caching allocator.
 
     Returns:
         The bytes offloaded, per piece.
@@ -81,6 +83,7 @@ def offload(chunks: Any, optimizer: Any = None, *, params: bool = True, grads: b
     """
     wanted = _wanted(params, grads, optimizer_state)
     groups = _groups(chunks, optimizer, wanted)
+    slots()  # storages gone since the last offload leave their host buffers as spares
     sizes = dict.fromkeys(PIECES, 0)
     todo = []
     for group in groups:
@@ -90,9 +93,12 @@ def offload(chunks: Any, optimizer: Any = None, *, params: bool = True, grads: b
             continue
         todo.append((slot, anchor))
         sizes[group.piece] += _storage.copy_out(slot, anchor)
-    _storage.synchronize({anchor.device for _, anchor in todo})
+    devices = {anchor.device for _, anchor in todo}
+    _storage.synchronize(devices)
     for slot, anchor in todo:
         _storage.release(slot, anchor)
+    if empty_cache:
+        _storage.empty_cache(devices)
     return _moved(sizes)
 
 
