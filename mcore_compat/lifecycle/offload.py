@@ -60,8 +60,9 @@ def offload(chunks: Any, optimizer: Any = None, *, params: bool = True, grads: b
     """Move the chosen pieces of the model chunks and the optimizer to host memory and free their device memory.
 
     Every storage is copied into its host buffer (allocated on its first offload, reused later) and resized to 0
-    bytes. Offloading what is already offloaded does nothing. Until :func:`reload`, do not run the model or the
-    optimizer.
+    bytes. Offloading what is already offloaded does nothing. Call it between steps, with no communication in
+    flight (an overlapped param all-gather finished first: ``training.finish_param_sync``); until :func:`reload`,
+    do not run the model or the optimizer.
 
     Args:
         chunks: a model chunk wrapped in Megatron-Core's ``DistributedDataParallel``, or a list of them.
