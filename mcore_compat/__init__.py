@@ -12,6 +12,7 @@ Import this instead of raw ``megatron.*``::
     mc.print_rank_0("hello")         # rank-zero logging, before and after init_process_group
     mc.transformer_config(num_layers=2, hidden_size=64, num_attention_heads=4, bias_activation_fusion=True)
                                      # Megatron's config objects from the field names of any release
+    mc.offload(chunks, optimizer); mc.reload(chunks, optimizer)   # free device memory in place, bring it back
 
 Nothing in Megatron-Core is imported or patched by ``import mcore_compat``: symbols are resolved on first access,
 and runtime patches (``mcore_compat.patches``) are applied only when asked for.
@@ -91,6 +92,7 @@ _LAZY_MODULE_ATTRS: dict[str, str] = {
     "support": "mcore_compat.support",
     "training": "mcore_compat.training",
     "selfcheck": "mcore_compat.selfcheck",
+    "lifecycle": "mcore_compat.lifecycle",
 }
 #: Names re-exported from submodules on first access (module, attribute).
 _LAZY_ATTRS: dict[str, tuple[str, str]] = {
@@ -105,6 +107,8 @@ _LAZY_ATTRS.update({name: ("mcore_compat.layout", name) for name in ("layout_of"
 _LAZY_ATTRS.update({name: ("mcore_compat.binding", name)
                     for name in ("bind_params", "gather_pipeline", "gather_pipeline_flat", "ParamBinding",
                                  "StageBuffers", "BindingError", "Manifest")})
+_LAZY_ATTRS.update({name: ("mcore_compat.lifecycle", name)
+                    for name in ("offload", "reload", "offloaded", "OffloadError", "release_host_buffers")})
 
 
 def __getattr__(name: str) -> Any:

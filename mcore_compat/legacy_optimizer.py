@@ -180,7 +180,10 @@ def _buckets(chunk: torch.nn.Module, dp_group: Group) -> list[_Bucket]:
         out = []
         for buffer in grad_buffers.values():
             for bucket in buffer.buckets:
-                params = [(p, buffer.param_index_map[p][0] - bucket.offset) for p in bucket.params_list]
+                # by offset: 0.4's Bucket.params_list comes from a set (distributed/grad_buffer.py), so its order,
+                # and with it the order grad norms are summed in, would differ between two identical builds
+                params = sorted(((p, buffer.param_index_map[p][0] - bucket.offset) for p in bucket.params_list),
+                                key=lambda item: item[1])
                 out.append(_Bucket(params, bucket.data.numel(), buffer.dtype, bucket.data_parallel_group))
         return out
     params, offset = [], 0
