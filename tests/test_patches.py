@@ -756,7 +756,7 @@ def test_doctor_reports_skipped_and_refused_patches_as_not_applied(monkeypatch: 
     assert not rows["rng"]["applied"] and rows["rng"]["skipped"] == "its target changed"
     assert not rows["stale_embedding_ranks"]["applied"]
     assert "destroy_model_parallel" in rows["stale_embedding_ranks"]["refused"]
-    lines = doctor.render(_doctor_report(rows)).splitlines()
+    lines = doctor.render(_doctor_report(rows), verbose=True).splitlines()
     states = {line.split()[0]: line for line in lines[lines.index(next(ln for ln in lines if
                                                                         ln.startswith("patches for"))) + 1:]}
     assert "APPLIED" in states["cuda_sync"]

@@ -233,7 +233,8 @@ def test_names_do_not_collide() -> None:
 
 
 def test_doctor_lists_every_fact() -> None:
-    """``mcore-compat doctor`` shows every fact: flags as yes/no with their range, valued facts with their value."""
+    """``mcore-compat doctor --verbose`` shows every fact: flags as yes/no with their range, valued facts with their
+    value."""
     from mcore_compat.cli import doctor
 
     rows = doctor._facts(Version("0.16.1"), probe=False)
@@ -243,7 +244,7 @@ def test_doctor_lists_every_fact() -> None:
               "megatron_core": {"found": True, "version": "0.16.1", "source": "test", "checkout": True, "path": "/x",
                                 "warnings": []},
               "facts": rows, "symbols": [], "patches": []}
-    lines = doctor.render(report).splitlines()
+    lines = doctor.render(report, verbose=True).splitlines()
     assert any(ln.split()[:3] == ["=", "ddp_ctor", "'ddpcfg_pgc'"] for ln in lines), lines
     assert any(ln.split()[:3] == ["yes", "core_optimizer", "v"] for ln in lines), lines
     assert any(ln.split()[:2] == ["no", "zero_grad_buffer_arg"] for ln in lines), lines

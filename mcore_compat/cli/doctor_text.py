@@ -84,7 +84,9 @@ def _tables_summary(report: dict[str, Any]) -> list[str]:
 
 
 def _verdict(report: dict[str, Any]) -> list[str]:
-    v = report["verdict"]
+    v = report.get("verdict")
+    if v is None:  # a partial report (no verdict was computed): nothing to conclude
+        return []
     m = report["megatron_core"]
     out = [f"note: {n}" for n in v["notes"]]
     if v["ok"]:
