@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     after_off = mem()
     t_first_on, _ = C.timed(lambda: mc.reload(chunks, optimizer), args.device)
     total = moved.total
-    host = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
-    dev = torch.empty(total, dtype=torch.uint8, device=args.device)
+    limit = {"host": torch.empty(total, dtype=torch.uint8, pin_memory=cuda),
+             "dev": torch.empty(total, dtype=torch.uint8, device=args.device)}
 
     times: dict[str, dict[str, list[float]]] = {k: {"offload": [], "reload": []}
                                                 for k in ("mcore_compat", "reallocating", "pinned_limit",
@@ -110,11 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         times["reallocating"]["offload"].append(t)
         t, _m = C.timed(lambda: mc.reload(chunks, optimizer), args.device)
         times["reallocating"]["reload"].append(t)
-        t, _m = C.timed(lambda: host.copy_(dev, non_blocking=True), args.device)
+        t, _m = C.timed(lambda: limit["host"].copy_(limit["dev"], non_blocking=True), args.device)
         times["pinned_limit"]["offload"].append(t)
-        t, _m = C.timed(lambda: dev.copy_(host, non_blocking=True), args.device)
+        t, _m = C.timed(lambda: limit["dev"].copy_(limit["host"], non_blocking=True), args.device)
         times["pinned_limit"]["reload"].append(t)
-    del dev, host
+    limit.clear()  # free the limit's copies before Megatron's path and the last step
     loss_after = step()
     megatron = _megatron_path(chunks, optimizer) if cuda else None  # it pins memory: CUDA only
     megatron_freed = None

@@ -20,6 +20,8 @@ from ci.results import JobResult, junit_counts
 TEST_PATHS = ("tests", "examples/ppo_actor/tests")
 #: pytest's exit status when it collected no test: the session fails (and counts as an error in the matrix).
 PYTEST_NO_TESTS = 5
+#: The versions.toml tag (and pytest marker) of the release sessions that also run the launcher tests.
+LAUNCHER_TAG = "launcher"
 #: What every release session runs after pytest: the main job, as a user runs it.
 SELFCHECK_ARGS = ("self-check", "--nproc", "2", "--sweep", "--device", "cpu", "--bind", "--timeout", "600")
 #: What the lint session type-checks (paths relative to the repository).
@@ -127,7 +129,9 @@ def run_release(env: MatrixEnv, release: Release, out: Out, extra: Sequence[str]
         if code != 0:
             raise JobError(f"start-up check failed (exit status {code}); see its output above")
         result.report = json.loads(report_path.read_text(encoding="utf-8"))
-        run_pytest(env, python, release, "mcore", out, result, extra)
+        # Tests marked `launcher` run only in the sessions tagged so in versions.toml (see its header).
+        marker = "mcore" if LAUNCHER_TAG in release.tags else f"mcore and not {LAUNCHER_TAG}"
+        run_pytest(env, python, release, marker, out, result, extra)
         if not extra:
             run_selfcheck(env, release, out, result)
 

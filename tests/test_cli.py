@@ -353,6 +353,7 @@ def test_a_broken_limit_of_the_release_stops_doctor_and_self_check(tmp_path: Pat
 
 
 @pytest.mark.mcore
+@pytest.mark.launcher
 def test_timeout_counts_once_the_ranks_are_up_and_prints_the_stacks(work: Path) -> None:
     """``--timeout 0.5`` is far shorter than starting a rank (torch and Megatron imports): the rank is stopped while
     it runs the check, not while it starts, and its stacks are printed, labelled, once."""
@@ -367,6 +368,7 @@ def test_timeout_counts_once_the_ranks_are_up_and_prints_the_stacks(work: Path) 
 
 
 @pytest.mark.mcore
+@pytest.mark.launcher
 def test_selfcheck_under_torchrun_names_its_world_size_and_summarises_warnings(work: Path) -> None:
     proc = _run([sys.executable, "-P", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                  "mcore_compat", "self-check", "--device", "cpu", "--steps", "1"], work, _env())
