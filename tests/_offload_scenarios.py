@@ -197,10 +197,16 @@ def _verify_error(binding: Any) -> str | None:
         return str(exc)
 
 
-def _host_ptrs() -> dict[int, tuple[int, int]]:
-    from mcore_compat.lifecycle._host import slots
+def _host_ptrs() -> dict[str, Any]:
+    """The host buffers in use: their addresses (sorted: a storage re-created every step - a main param's
+    ``.grad`` - gets a new key but the spare buffer of the one it replaced), each slot's allocation count, and the
+    process's allocation count."""
+    from mcore_compat.lifecycle._host import _SPARE, allocations, slots
 
-    return {s.key: (s.host.data_ptr(), s.allocations) for s in slots() if s.host is not None}
+    live = [s for s in slots() if s.host is not None]
+    spare = [h for hs in _SPARE.values() for h in hs]
+    return {"ptrs": sorted([s.host.data_ptr() for s in live] + [h.data_ptr() for h in spare]),
+            "per_slot": [s.allocations for s in live], "allocations": allocations(), "buffers": len(live)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -253,9 +259,10 @@ def case_cycles(bf16: bool, distopt: bool, expert: bool = False) -> dict[str, An
         "alias_problems_cycles": _aliasing(chunks, opt, keys),
         "verify_error_cycles": _verify_error(binding),
         "partial": partial,
-        "host_ptrs_stable": all(p == first_ptrs for p in ptrs),
-        "host_allocations": max((a for p in ptrs for _, a in p.values()), default=0),
-        "host_buffers": len(first_ptrs),
+        "host_ptrs_stable": all(p["ptrs"] == first_ptrs["ptrs"] and p["allocations"] == first_ptrs["allocations"]
+                                for p in ptrs),
+        "host_allocations": max((a for p in ptrs for a in p["per_slot"]), default=0),
+        "host_buffers": first_ptrs["buffers"],
         "host_bytes": mc.lifecycle.host_bytes(),
     })
     ok = all([_step(*run, seed=100), _step(*twin, seed=100)])
