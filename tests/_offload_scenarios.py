@@ -12,6 +12,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from _binding_scenarios import _verify_error
 from _training_scenarios import H, _full_weights, _tiny_model, _transformer_config, apply_patches
 
 LR = 1e-2
@@ -185,16 +186,6 @@ def _differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 def _twin_differences(a: tuple[list[Any], Any], b: tuple[list[Any], Any]) -> list[str]:
     """Params, main grads and optimizer state of run ``a`` that differ from its twin ``b``."""
     return _differences(_clone_all(*a), _clone_all(*b))
-
-
-def _verify_error(binding: Any) -> str | None:
-    from mcore_compat.binding import BindingError
-
-    try:
-        binding.verify()
-        return None
-    except BindingError as exc:
-        return str(exc)
 
 
 def _host_ptrs() -> dict[str, Any]:
