@@ -7,8 +7,9 @@ Reproduces the GPU column of matrix/ from one command on a GPU machine (no packa
 Each release's wheel is unpacked (its pure-Python ``megatron/`` tree; cp311 wheels work on other Pythons) into a
 private directory that is put first on ``sys.path`` of a fresh subprocess. Configurations per release, all bf16
 with weight decay and clipping: 1 GPU, distributed optimizer on and off, at lr 1e-2 and 1e-6; if two GPUs are
-visible, also the self-check's standard sweep for 2 ranks (``standard_sweep(2)``). Then ``python3 scripts/record_gpu_results.py results/`` on the development machine
-writes them into matrix/results.json.
+visible, also the self-check's standard sweep for 2 ranks (``standard_sweep(2)``). Every configuration runs two
+offload/reload cycles between its steps (``offload_cycles=2``). Then ``python3 scripts/record_gpu_results.py
+results/`` on the development machine writes them into matrix/results.json.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ _CHILD = r"""
 import json, sys
 from mcore_compat.selfcheck import SelfCheckOptions, run_sweep, standard_sweep
 ngpu, out, timeout = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
-common = dict(dtype="bf16", model="gpt", steps=3, device="cuda", bind=True)
+common = dict(dtype="bf16", model="gpt", steps=3, device="cuda", bind=True, offload_cycles=2)
 one = [SelfCheckOptions(distributed_optimizer=d, lr=lr, **common) for lr in (1e-2, 1e-6) for d in (True, False)]
 results = []
 for nproc in (1, 2):

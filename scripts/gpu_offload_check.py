@@ -69,7 +69,7 @@ for distopt in (True, False):
         rec["freed"].append(m0 - torch.cuda.memory_allocated())
         rec["moved"].append(moved.total)
         mc.reload(a, oa, params=full)
-        rec["host_bytes"].append(mc.host_bytes())
+        rec["host_bytes"].append(mc.lifecycle.host_bytes())
         rec["equal"].append(all(torch.equal(p, q) for p, q in zip(a[0].parameters(), b[0].parameters())))
     rec["trained"] = any(not torch.equal(p, q) for p, q in zip(initial, twins[0][0][0].parameters()))
     out.append(rec)

@@ -65,6 +65,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--weight-decay", type=float, default=0.1,
                    help="weight decay of the weights; biases and norms get none (default 0.1)")
     p.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clipping threshold (0: off)")
+    p.add_argument("--offload-cycles", type=int, default=None, metavar="N",
+                   help="offload/reload cycles (mcore_compat.offload/reload) between the steps, each proved: "
+                        "device memory freed, everything back on its own storage bit for bit, host buffers "
+                        "reused, and a verified step after it (default: 0; 1 with --sweep)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--fault", choices=sorted(FAULTS), default=None,
                    help="inject a known fault to see the check that catches it FAIL (a negative control)")
@@ -97,7 +101,8 @@ def _options(args: argparse.Namespace) -> Any:
                             distributed_optimizer=args.distributed_optimizer, dtype=args.dtype,
                             grad_reduce_in_fp32=args.grad_reduce_in_fp32, bind=args.bind, device=args.device,
                             model=args.model, steps=args.steps, lr=args.lr, weight_decay=args.weight_decay,
-                            clip_grad=args.clip_grad, seed=args.seed, timeout=args.timeout, fault=args.fault)
+                            clip_grad=args.clip_grad, seed=args.seed, timeout=args.timeout, fault=args.fault,
+                            offload_cycles=args.offload_cycles or 0)
 
 
 def _error(message: str) -> None:
@@ -208,6 +213,7 @@ def _sweep(args: argparse.Namespace, opts: Any) -> int:
 
     nproc = args.nproc or 2
     common = {k: v for k, v in opts.as_dict().items() if k not in ("nproc", *_CONFIG_FLAGS, "timeout")}
+    common["offload_cycles"] = 1 if args.offload_cycles is None else args.offload_cycles
     try:
         configs, skipped = standard_sweep(nproc, with_skipped=True, **common)
         reports = run_sweep(configs, nproc, device=args.device, timeout=args.timeout) if configs else []

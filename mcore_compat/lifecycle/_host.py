@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HostSlot", "allocations", "host_bytes", "release_host_buffers", "slot_for", "slots"]
+__all__ = ["HostSlot", "allocations", "buffers", "host_bytes", "release_host_buffers", "slot_for", "slots"]
 
 
 @dataclass(eq=False)
@@ -106,14 +106,18 @@ def allocations() -> int:
     return _COUNTS["allocations"]
 
 
+def buffers() -> list[torch.Tensor]:
+    """Every host buffer held now: those of live slots, then the spare ones."""
+    return [s.host for s in slots() if s.host is not None] + [h for hs in _SPARE.values() for h in hs]
+
+
 def host_bytes() -> int:
     """Bytes of host memory held by the host copies of offloaded (or once offloaded) storages.
 
     Returns:
         The sum of the sizes of every host buffer (spare ones, left by storages that are gone, included).
     """
-    live = sum(s.host.numel() for s in slots() if s.host is not None)
-    return live + sum(h.numel() for spares in _SPARE.values() for h in spares)
+    return sum(h.numel() for h in buffers())
 
 
 def release_host_buffers() -> int:

@@ -26,7 +26,16 @@ FAULTS = {
     "group_not_stepped": "one param group left out of the optimizer's step",
     "loss_not_averaged": "the loss not divided by the number of micro-batches",
     "stale_binding": "the binding's flat buffers are copies taken at bind time (needs bind=True)",
+    "reload_recreates_storage": "reload copies the params' bytes into new memory and rebinds param.data instead "
+                                "of refilling their storage (needs offload_cycles >= 1)",
+    "offload_misses_optimizer_state": "offload finds no optimizer state, so it stays on the device (needs "
+                                      "offload_cycles >= 1)",
+    "offload_reallocates_host": "offload allocates a new host buffer every cycle while the old one is still "
+                                "referenced (needs offload_cycles >= 2)",
 }
+
+#: The faults that act inside offload/reload, with the cycles they need.
+_OFFLOAD_FAULTS = {"reload_recreates_storage": 1, "offload_misses_optimizer_state": 1, "offload_reallocates_host": 2}
 
 
 class UsageError(McoreCompatError, ValueError):
@@ -60,6 +69,10 @@ class SelfCheckOptions:
             Megatron-LM sets the groups.
         clip_grad: global gradient-norm clipping threshold (0 = off).
         grad_reduce_in_fp32: keep and reduce gradients in fp32; ``None`` = on for bf16.
+        offload_cycles: offload/reload cycles (:func:`mcore_compat.offload`, :func:`mcore_compat.reload`)
+            between the steps, each proved (memory freed, everything back in place, host buffers reused) and
+            followed by a verified step; even cycles move params, grads and optimizer state, odd ones keep the
+            params (needs steps >= 2; :func:`~.runner.standard_sweep` runs 1).
     """
 
     nproc: int | None = None
@@ -85,6 +98,7 @@ class SelfCheckOptions:
     weight_decay: float = 0.1
     clip_grad: float = 1.0
     grad_reduce_in_fp32: bool | None = None
+    offload_cycles: int = 0
 
     def world_size(self) -> int:
         """The world size these options run on."""
@@ -117,6 +131,13 @@ class SelfCheckOptions:
             raise UsageError(f"unknown fault {self.fault!r}; known: {', '.join(FAULTS)}")
         if self.fault in ("rebind_after_bind", "stale_binding") and not self.bind:
             raise UsageError(f"fault {self.fault} needs bind=True (--bind)")
+        if self.offload_cycles < 0:
+            raise UsageError(f"--offload-cycles must be >= 0, got {self.offload_cycles}")
+        if self.offload_cycles and self.steps < 2:
+            raise UsageError("--offload-cycles needs --steps >= 2 (a verified step follows every reload)")
+        need = _OFFLOAD_FAULTS.get(self.fault or "", 0)
+        if self.offload_cycles < need:
+            raise UsageError(f"fault {self.fault} needs --offload-cycles >= {need}")
         if self.timeout <= 0:
             raise UsageError(f"--timeout must be > 0, got {self.timeout}")
         device = self.device

@@ -2,7 +2,8 @@
 (:class:`~.verify.StepVerifier`: gradients against a plain-autograd reference, updates against the optimizer's
 rule, model params against the main params, replicas), plus the settings-specific checks: hooks installed,
 param groups as configured (weight decay off for biases and norms, the learning rate), params still in DDP's
-buffer, the binding and the pipeline gather."""
+buffer, the binding and the pipeline gather; with ``offload_cycles``, offload/reload cycles between the steps
+(:mod:`.offload_cycle`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from . import models
+from .offload_cycle import OffloadCycles
 from .optimizer_view import optimizer_view
 from .options import SelfCheckOptions
 from .report import Check
@@ -304,6 +306,8 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
 
     _inject_group_fault(opts, optimizer, optimizer_view(optimizer, named_trainable(chunks)))
     verifier = StepVerifier(chunks, optimizer, reference=True, continuity=True)
+    cycles = OffloadCycles(chunks, optimizer, verifier.view, opts.offload_cycles, opts.fault)
+    gaps = cycles.gaps(opts.steps)
     checks.append(_param_groups_check(verifier.view, opts))
     batches = models.make_batches(opts, ps.get_data_parallel_rank())
     per_chunk = [batches] * len(chunks)
@@ -323,11 +327,15 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
             with torch.no_grad():
                 for p in _core(chunks[0]).parameters():
                     p.add_(1e-3)
+        if gaps[k]:
+            training.finish_param_sync(chunks, optimizer)  # nothing in flight while the memory is away
+            cycles.run(gaps[k])
     # the overlapped all-gather of the last step's params (and, on 0.6-0.8, the optimizer's process-wide hook)
     training.finish_param_sync(chunks, optimizer, keep_overlap=False)
     verifier.final_replicas()
     checks.extend(verifier.checks())
     checks.append(_loss_check(verifier))
+    checks.extend(cycles.checks())
     alias = _buffer_alias_check(chunks)
     if alias is not None:
         checks.append(alias)
@@ -339,6 +347,9 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
     from .. import patches
 
     env["patches"] = ",".join(patches.applied()) or "none"  # after Megatron's import: a patch undone there is out
+    from .. import lifecycle
+
+    lifecycle.release_host_buffers()
     models.release_chunks(chunks)
     ps.destroy_model_parallel()
     return checks, env
