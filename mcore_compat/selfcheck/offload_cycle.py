@@ -48,7 +48,7 @@ class _Findings:
     tensors: int = 0
     host_bytes: int = 0
     offloaded_bytes: int = 0
-    cuda_freed: int | None = None
+    cuda_dropped: dict[str, int] = field(default_factory=dict)
 
 
 def _storage_key(t: Any) -> int:
@@ -183,7 +183,8 @@ class OffloadCycles:
             f.bytes_freed[piece] = max(f.bytes_freed.get(piece, 0), n)
         if cuda:
             dropped = allocated - torch.cuda.memory_allocated(device)
-            f.cuda_freed = dropped if f.cuda_freed is None else min(f.cuda_freed, dropped)
+            label = "+".join(pieces)
+            f.cuda_dropped[label] = min(f.cuda_dropped.get(label, dropped), dropped)
             if dropped < expected:
                 f.freed.append(f"{cycle}: torch.cuda.memory_allocated() dropped by {dropped} bytes, the offloaded "
                                f"storages hold {expected}")
@@ -225,8 +226,10 @@ class OffloadCycles:
                                                           "offload_host_memory_bounded")]
         f = self.found
         pieces = ", ".join(f"{p.replace('_', ' ')} {n} B" for p, n in f.bytes_freed.items())
-        cuda = "" if f.cuda_freed is None else f"; memory_allocated() dropped by >= {f.cuda_freed} B"
-        reuse = (f"; cycles 2-{self.done} reused the first cycle's buffers" if self.done > 1 else
+        cuda = "".join(f"; memory_allocated() dropped by >= {n} B offloading {label}"
+                       for label, n in f.cuda_dropped.items())
+        later = "cycle 2" if self.done == 2 else f"cycles 2-{self.done}"
+        reuse = (f"; {later} reused the first cycle's buffers" if self.done > 1 else
                  "; one cycle: reuse not tested (--offload-cycles 2 tests it)")
         return [
             _check("offload_frees_memory", f.freed,
