@@ -174,6 +174,8 @@ def test_clean_configurations_pass(sweep: dict[str, Report], lr: float) -> None:
                 "state_unchanged_between_steps", "training_hooks_installed", "model_params_match_main",
                 "replicas_identical", "offload_frees_memory", "reload_in_place",
                 "offload_host_memory_bounded"} <= applied, report.render()
+        # the sweep's two offload cycles: a full one, then one keeping the params that reuses its host buffers
+        assert "cycle 2 reused the first cycle's buffers" in report.check("offload_host_memory_bounded").detail
         # the norm is compared wherever the configuration clips; where a release cannot clip it (MoE on 0.6/0.7,
         # see capabilities' chained_optimizer_global_clip) the sweep runs without clipping and the check says why
         if report.settings["clip_grad"] > 0:

@@ -68,7 +68,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--offload-cycles", type=int, default=None, metavar="N",
                    help="offload/reload cycles (mcore_compat.offload/reload) between the steps, each proved: "
                         "device memory freed, everything back on its own storage bit for bit, host buffers "
-                        "reused, and a verified step after it (default: 0; 1 with --sweep)")
+                        "reused, and a verified step after it (default: 0; 2 with --sweep: a full cycle and one that keeps the params)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--fault", choices=sorted(FAULTS), default=None,
                    help="inject a known fault to see the check that catches it FAIL (a negative control)")
@@ -213,7 +213,7 @@ def _sweep(args: argparse.Namespace, opts: Any) -> int:
 
     nproc = args.nproc or 2
     common = {k: v for k, v in opts.as_dict().items() if k not in ("nproc", *_CONFIG_FLAGS, "timeout")}
-    common["offload_cycles"] = 1 if args.offload_cycles is None else args.offload_cycles
+    common["offload_cycles"] = 2 if args.offload_cycles is None else args.offload_cycles
     try:
         configs, skipped = standard_sweep(nproc, with_skipped=True, **common)
         reports = run_sweep(configs, nproc, device=args.device, timeout=args.timeout) if configs else []

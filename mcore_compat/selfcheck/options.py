@@ -72,7 +72,7 @@ class SelfCheckOptions:
         offload_cycles: offload/reload cycles (:func:`mcore_compat.offload`, :func:`mcore_compat.reload`)
             between the steps, each proved (memory freed, everything back in place, host buffers reused) and
             followed by a verified step; even cycles move params, grads and optimizer state, odd ones keep the
-            params (needs steps >= 2; :func:`~.runner.standard_sweep` runs 1).
+            params (needs steps >= 2; :func:`~.runner.standard_sweep` runs 2).
     """
 
     nproc: int | None = None

@@ -228,8 +228,8 @@ def run_sweep(configs: list[SelfCheckOptions], nproc: int, *, device: str | None
 
 def standard_sweep(nproc: int = 2, *, with_skipped: bool = False, **common: Any) -> Any:
     """The configurations the matrix checks on every release, for ``nproc`` ranks (``common`` sets the rest,
-    e.g. ``dtype="bf16"``; ``bind=True`` and one offload/reload cycle between the first two steps,
-    ``offload_cycles=1``, unless it says otherwise):
+    e.g. ``dtype="bf16"``; ``bind=True`` and two offload/reload cycles between the first two steps,
+    a full one and one that keeps the params, ``offload_cycles=2``, unless it says otherwise):
 
     data parallel with the distributed optimizer on and off; tensor parallel with sequence parallelism;
     pipeline parallel with tied embeddings (binding + pipeline gather); pipeline parallel with two virtual stages
@@ -239,7 +239,7 @@ def standard_sweep(nproc: int = 2, *, with_skipped: bool = False, **common: Any)
     """
     from . import models
 
-    common = {"bind": True, "offload_cycles": 1, **common}
+    common = {"bind": True, "offload_cycles": 2, **common}
     candidates = [SelfCheckOptions(tp=1, pp=1, distributed_optimizer=True, **common),
                   SelfCheckOptions(tp=1, pp=1, distributed_optimizer=False, **common)]
     if nproc > 1:
