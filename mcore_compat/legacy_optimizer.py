@@ -154,10 +154,12 @@ def _is_embedding_or_output(name: str, param: torch.nn.Parameter) -> bool:
 
 
 def _param_groups(model_chunks: Sequence[torch.nn.Module], no_weight_decay_cond: Optional[Callable[..., bool]],
-                  scale_lr_cond: Optional[Callable[..., bool]], lr_mult: float,
-                  decoupled: bool = False) -> list[dict[str, Any]]:
-    """Megatron's ``_get_param_groups``: trainable params keyed by ``(wd_mult, lr_mult, is_expert_parallel,
-    is_decoupled_lr)``; ``decoupled``: embedding/output params get the decoupled learning rate."""
+                  scale_lr_cond: Optional[Callable[..., bool]], lr_mult: float, decoupled: bool = False,
+                  is_decoupled: Callable[[str, Any], bool] = _is_embedding_or_output) -> list[dict[str, Any]]:
+    """Megatron's ``_get_param_groups`` (0.6-0.15's signature and group keys, without 0.6/0.7's ``lr_mult``
+    shadowing): trainable params keyed by ``(wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr)``;
+    ``decoupled``: the params ``is_decoupled(name, param)`` names get the decoupled learning rate (by default
+    embedding/output params, marked or, as 0.4/0.5's GPTModel leaves them unmarked, by name)."""
     groups: dict[tuple[float, float, bool, bool], list[torch.nn.Parameter]] = {}
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
@@ -167,7 +169,7 @@ def _param_groups(model_chunks: Sequence[torch.nn.Module], no_weight_decay_cond:
                      else name.endswith(".bias") or param.dim() == 1)
             scale_lr = scale_lr_cond(name, param) if scale_lr_cond is not None else False
             key = (0.0 if no_wd else 1.0, lr_mult if scale_lr else 1.0, not getattr(param, "allreduce", True),
-                   decoupled and _is_embedding_or_output(name, param))
+                   decoupled and is_decoupled(name, param))
             groups.setdefault(key, []).append(param)
     return [{"params": ps, "wd_mult": wd, "lr_mult": lm, "is_expert_parallel": ep, "is_decoupled_lr": dec}
             for (wd, lm, ep, dec), ps in groups.items()]

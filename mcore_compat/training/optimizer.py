@@ -212,19 +212,11 @@ def _v6_param_groups(model_chunks: list[Any], no_weight_decay_cond: Callable | N
     """0.6/0.7's ``_get_param_groups`` (same signature and group keys) without its bug: it rebinds its own
     ``lr_mult`` argument in the loop, so params of ``scale_lr_cond`` visited after any other param get
     ``lr_mult=1.0`` (fact ``param_groups_lr_mult_shadowed``)."""
-    groups: dict[tuple[float, float, bool, bool], list[Any]] = {}
-    for chunk in model_chunks:
-        for name, param in chunk.named_parameters():
-            if not param.requires_grad:
-                continue
-            no_wd = (no_weight_decay_cond(name, param) if no_weight_decay_cond is not None
-                     else _default_no_weight_decay(name, param))
-            scale = bool(scale_lr_cond(name, param)) if scale_lr_cond is not None else False
-            key = (0.0 if no_wd else 1.0, lr_mult if scale else 1.0, not getattr(param, "allreduce", True),
-                   use_decoupled_learning_rate and _is_decoupled(name, param))
-            groups.setdefault(key, []).append(param)
-    return [{"params": params, "wd_mult": wd, "lr_mult": lm, "is_expert_parallel": ep, "is_decoupled_lr": dec}
-            for (wd, lm, ep, dec), params in groups.items()]
+    # one grouping loop for both; imported here because legacy_optimizer imports torch
+    from ..legacy_optimizer import _param_groups
+
+    return _param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult, use_decoupled_learning_rate,
+                         is_decoupled=_is_decoupled)
 
 
 @contextlib.contextmanager
