@@ -38,6 +38,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # a script: the checkout's mcore_compat is not installed
+    sys.path.insert(0, str(ROOT))
+from mcore_compat._probes import _body_statements  # noqa: E402  (the probes' AST walk)
+
 OUTPUT = ROOT / "mcore_compat" / "_config_fields.py"
 
 
@@ -194,20 +198,6 @@ def _is_classvar(annotation: ast.expr) -> bool:
     return text.startswith(("ClassVar", "typing.ClassVar", "InitVar", "dataclasses.InitVar"))
 
 
-def _class_body(scope: list[ast.stmt]) -> list[ast.stmt]:
-    """Statements of a class body, descending into ``if``/``try`` blocks (they run at class creation)."""
-    out: list[ast.stmt] = []
-    pending = list(scope)
-    while pending:
-        stmt = pending.pop(0)
-        out.append(stmt)
-        if isinstance(stmt, ast.If):
-            pending += stmt.body + stmt.orelse
-        elif isinstance(stmt, ast.Try):
-            pending += stmt.body + stmt.orelse + stmt.finalbody
-    return out
-
-
 def _module_path(current: str, node: ast.ImportFrom) -> str | None:
     """The file a ``from X import Y`` in file ``current`` (``megatron/core/a/b.py``) refers to."""
     if node.level:
@@ -251,7 +241,7 @@ def class_fields(read: Reader, path: str, name: str) -> dict[str, str | None] | 
         inherited = class_fields(read, *location) if location else None
         if inherited:
             fields.update(inherited)
-    for stmt in _class_body(node.body):
+    for stmt in _body_statements(node):  # the class body, into if/try blocks (they run at class creation)
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) \
                 and not _is_classvar(stmt.annotation):
             fields[stmt.target.id] = default_text(stmt.value)
@@ -407,7 +397,6 @@ def render(releases: Sequence[str], data: dict[str, ClassData]) -> str:
 
 
 def matrix_releases() -> list[str]:
-    sys.path.insert(0, str(ROOT))
     from mcore_compat import support
 
     return [str(r.version) for r in support.Matrix(ROOT / "matrix").releases()]
