@@ -24,11 +24,12 @@ release) is looked up by `mcore-compat doctor`, which names the nearest tested r
 **CPU**: the release's nox session (pytest counts) and its `mcore-compat self-check --nproc 2 --sweep --bind`
 (the standard configurations the release can run: DP=2 with the distributed optimizer on and off, TP=2 with
 sequence parallelism, PP=2 with tied embeddings, PP=2 with virtual stages, overlapped DP, MoE with expert
-parallelism), on gloo. **Faults caught**: the fault-injection suite (`tests/test_selfcheck_real.py`), every fault
-that can exist on the release injected where the real bug acts, in fp32 and bf16; a fault counts as caught when
-the self-check FAILS naming the right check (and the clean configurations PASS). **GPU**: `scripts/gpu_matrix.py`
-on NVIDIA H200 with NCCL: the self-check in bf16 with `--bind` on 1 GPU (distributed optimizer on and off, lr
-1e-2 and 1e-6) and, where a 2-GPU machine was lent, the standard sweep on 2 GPUs; per-configuration results are
+parallelism; each with two offload/reload cycles between its first two steps), on gloo. **Faults caught**: the
+fault-injection suite (`tests/test_selfcheck_real.py`), every fault that can exist on the release injected where
+the real bug acts, in fp32 and bf16 (the offload faults in bf16); a fault counts as caught when the self-check
+FAILS naming the right check (and the clean configurations PASS). **GPU**: `scripts/gpu_matrix.py` on NVIDIA
+H200 with NCCL: the self-check in bf16 with `--bind` and two offload cycles on 1 GPU (distributed optimizer on
+and off, lr 1e-2 and 1e-6; runs before 2026-12-01-9 had no offload cycle) and, where a 2-GPU machine was lent, the standard sweep on 2 GPUs; per-configuration results are
 in `results.json`, the raw runs in `gpu-runs/` (`python3 scripts/record_gpu_results.py` re-records them).
 """
 
