@@ -29,8 +29,9 @@ fault-injection suite (`tests/test_selfcheck_real.py`), every fault that can exi
 the real bug acts, in fp32 and bf16 (the offload faults in bf16); a fault counts as caught when the self-check
 FAILS naming the right check (and the clean configurations PASS). **GPU**: `scripts/gpu_matrix.py` on NVIDIA
 H200 with NCCL: the self-check in bf16 with `--bind` and two offload cycles on 1 GPU (distributed optimizer on
-and off, lr 1e-2 and 1e-6; runs before 2026-12-01-9 had no offload cycle) and, where a 2-GPU machine was lent, the standard sweep on 2 GPUs; per-configuration results are
-in `results.json`, the raw runs in `gpu-runs/` (`python3 scripts/record_gpu_results.py` re-records them).
+and off, lr 1e-2 and 1e-6; runs before 2026-12-01-9 had no offload cycle) and, where a 2-GPU machine was
+lent, the standard sweep on 2 GPUs; per-configuration results are in `results.json`, the raw runs in
+`gpu-runs/` (`python3 scripts/record_gpu_results.py` re-records them).
 """
 
 
