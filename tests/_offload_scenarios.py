@@ -61,6 +61,9 @@ def _build(bf16: bool, distopt: bool, expert: bool = False) -> tuple[list[Any], 
                 if expert and i == 0 and name.startswith(EXPERT_PREFIX):
                     setattr(p, "allreduce", False)  # Megatron's mark of expert-parallel params
     modules[1].fc2.bias.requires_grad_(False)
+    for i, m in enumerate(modules):  # module state that is not a parameter (a rotary table, router statistics)
+        m.register_buffer("stat", torch.arange(H, dtype=torch.float32) * (i + 1))
+        m.register_buffer("table", torch.linspace(0, 1, 2 * H, dtype=dtype), persistent=False)
     chunks = mt.wrap_ddp(modules, ddp_config=mt.DDPConfig(use_distributed_optimizer=distopt,
                                                           grad_reduce_in_fp32=bf16))
     opt = mt.get_megatron_optimizer(
@@ -131,7 +134,8 @@ def _labelled(chunks: list[Any], opt: Any) -> dict[str, list[tuple[str, Any]]]:
     params = list(_named_params(chunks).items())
     grads = [(f"{n}.main_grad", p.main_grad) for n, p in params if getattr(p, "main_grad", None) is not None]
     bufs = _buffers(chunks)
-    return {"params": params + [b for b in bufs if b[0].endswith("param_data")],
+    module_buffers = [(f"chunk{c}.{n}", b) for c, ch in enumerate(chunks) for n, b in _core(ch).named_buffers()]
+    return {"params": params + module_buffers + [b for b in bufs if b[0].endswith("param_data")],
             "grads": grads + [b for b in bufs if b[0].endswith("grads")],
             "optimizer_state": _opt_tensors(chunks, opt)}
 

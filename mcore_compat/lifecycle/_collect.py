@@ -1,7 +1,8 @@
 """Which tensors hold the memory of DDP-wrapped model chunks and their optimizer, by piece.
 
-* **params**: the DDP buffers' ``param_data`` (distributed optimizer, Megatron-Core 0.6+; ``None`` without it)
-  and every parameter of the chunks, frozen ones included (those not in a buffer have storages of their own);
+* **params**: the DDP buffers' ``param_data`` (distributed optimizer, Megatron-Core 0.6+; ``None`` without it),
+  every parameter of the chunks, frozen ones included (those not in a buffer have storages of their own), and
+  the modules' buffers that are not parameters (``register_buffer``: rotary tables, MoE router statistics);
 * **grads**: the buffers' flat gradient tensor (``GradBuffer.data`` on 0.4/0.5,
   ``distributed/grad_buffer.py``; ``grad_data`` from 0.6, ``distributed/param_and_grad_buffer.py``; the attribute
   is the fact ``grad_data_attr``), every ``param.main_grad`` (0.4/0.5 expert grads and 0.17+'s fp32 extra main
@@ -162,6 +163,7 @@ def collect(chunks: Any, optimizer: Any, wanted: Iterable[str]) -> list[StorageG
                 value = getattr(param, attr, None)
                 if isinstance(value, torch.Tensor):
                     found["grads"].append(value)
+        found["params"].extend(buf for _, buf in chunk.named_buffers())
     state, main_grads = _optimizer_tensors(optimizer, "optimizer_state" in wanted)
     found["grads"].extend(main_grads)
     found["optimizer_state"].extend(state)

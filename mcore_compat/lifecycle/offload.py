@@ -28,7 +28,8 @@ class Moved:
     """Bytes moved by one :func:`offload` or :func:`reload`, per piece.
 
     Attributes:
-        params: bytes of parameter storage (DDP's ``param_data``, params outside a buffer, frozen params).
+        params: bytes of parameter storage (DDP's ``param_data``, params outside a buffer, frozen params) and of
+            the modules' non-parameter buffers.
         grads: bytes of gradient storage (``grad_data``, ``main_grad`` outside a buffer, main params' grads).
         optimizer_state: bytes of the optimizer's main params and state (Adam moments, ...).
     """
@@ -69,7 +70,7 @@ def offload(chunks: Any, optimizer: Any = None, *, params: bool = True, grads: b
         optimizer: its optimizer (``get_megatron_optimizer``'s result, chained or not; mcore_compat's legacy
             optimizer on 0.4/0.5), or ``None``.
         params: offload the params (DDP's ``param_data`` with the distributed optimizer, every param's storage
-            otherwise, frozen params included).
+            otherwise, frozen params included) and the modules' buffers that are not parameters.
         grads: offload the gradient buffers and ``main_grad`` tensors.
         optimizer_state: offload the optimizer's fp32 main params and its state (Adam moments).
         empty_cache: on CUDA, hand the freed memory back to the driver (``torch.cuda.empty_cache()``), so that

@@ -3,8 +3,8 @@ through :func:`mcore_compat.offload` / :func:`mcore_compat.reload`, proved from 
 
 Each cycle offloads params, grads and optimizer state (even cycles) or grads and optimizer state only (odd
 cycles: the params stay for a weight hand-off), then reloads them. The tensors are found here independently of
-the offload code (every param of every chunk, DDP's buffers, each ``main_grad``, the optimizer's main params,
-their ``.grad`` and their state, read through :func:`~.optimizer_view.optimizer_view`), and three checks come out:
+the offload code (every param and module buffer of every chunk, DDP's buffers, each ``main_grad``, the
+optimizer's main params, their ``.grad`` and their state, read through :func:`~.optimizer_view.optimizer_view`), and three checks come out:
 
 * ``offload_frees_memory``: after ``offload`` every storage of an offloaded piece is 0 bytes and every kept one
   is untouched; on CUDA, ``torch.cuda.memory_allocated()`` dropped by at least their bytes;
@@ -78,6 +78,7 @@ def _tracked(chunks: list[Any], view: Any) -> list[_Tracked]:
             for attr in ("main_grad", "grad"):
                 if isinstance(getattr(p, attr, None), torch.Tensor):
                     out.append(_Tracked("grads", f"{i}.{name}.{attr}", getattr(p, attr)))
+        out.extend(_Tracked("params", f"{i}.{name} (buffer)", b) for name, b in core_module(chunk).named_buffers())
     for k, mp in enumerate(view):
         label = f"{mp.name}[main {k}]"
         if mp.main is not mp.model:
