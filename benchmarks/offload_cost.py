@@ -7,6 +7,8 @@ step so that the optimizer state exists, then times, interleaved round by round 
   and reused from the second cycle on; the first cycle, which allocates them, is reported apart);
 * ``reallocating``: the same, but the host buffers released before every cycle (what an offload that allocates
   pinned memory per cycle costs);
+* ``pageable``: what hand-written offload code often does: every cycle, each storage copied into newly allocated
+  pageable host memory (``.to("cpu")``), freed in place, and copied back from it on reload;
 * ``pinned limit``: one device tensor of the same bytes copied into a preallocated pinned host tensor and back;
 
 and, after those rounds, Megatron-Core's own RL path where the release has it (``optimizer.offload_to_cpu()`` per
@@ -56,6 +58,32 @@ def _megatron_path(chunks: list[Any], optimizer: Any) -> tuple[Any, Any] | None:
     return off, on
 
 
+def _pageable_path(chunks: list[Any], optimizer: Any) -> tuple[Any, Any]:
+    """(offload, reload) that allocate pageable host copies every cycle (the same storages as mcore_compat's)."""
+    import torch
+
+    from mcore_compat.lifecycle._collect import PIECES, collect
+
+    storages = [g.tensors[0].untyped_storage() for g in collect(chunks, optimizer, PIECES)]
+    saved: list[tuple[Any, Any]] = []
+
+    def as_bytes(storage: Any) -> Any:
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+    def off() -> None:
+        saved[:] = [(st, as_bytes(st).to("cpu", copy=True)) for st in storages]
+        for st, _host in saved:
+            st.resize_(0)
+
+    def on() -> None:
+        for st, host in saved:
+            st.resize_(host.numel())
+            as_bytes(st).copy_(host)
+        saved.clear()
+
+    return off, on
+
+
 def main(argv: list[str] | None = None) -> int:
     p = C.parser(__doc__)
     G.add_args(p)
@@ -98,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
              "dev": torch.empty(total, dtype=torch.uint8, device=args.device)}
 
     times: dict[str, dict[str, list[float]]] = {k: {"offload": [], "reload": []}
-                                                for k in ("mcore_compat", "reallocating", "pinned_limit",
-                                                          "megatron")}
+                                                for k in ("mcore_compat", "reallocating", "pageable",
+                                                          "pinned_limit", "megatron")}
+    pageable_off, pageable_on = _pageable_path(chunks, optimizer)
     for _ in range(reps):
         t, _m = C.timed(lambda: mc.offload(chunks, optimizer), args.device)
         times["mcore_compat"]["offload"].append(t)
@@ -110,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         times["reallocating"]["offload"].append(t)
         t, _m = C.timed(lambda: mc.reload(chunks, optimizer), args.device)
         times["reallocating"]["reload"].append(t)
+        t, _m = C.timed(pageable_off, args.device)
+        times["pageable"]["offload"].append(t)
+        t, _m = C.timed(pageable_on, args.device)
+        times["pageable"]["reload"].append(t)
         t, _m = C.timed(lambda: limit["host"].copy_(limit["dev"], non_blocking=True), args.device)
         times["pinned_limit"]["offload"].append(t)
         t, _m = C.timed(lambda: limit["dev"].copy_(limit["host"], non_blocking=True), args.device)
@@ -142,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
                  note=f"{before / 2**30:.2f} GiB before" if cuda else "CPU: not measured"),
         C.metric("reallocating offload+reload time / mcore_compat's",
                  (med["reallocating"]["offload"] + med["reallocating"]["reload"])
+                 / (med["mcore_compat"]["offload"] + med["mcore_compat"]["reload"]), "x"),
+        C.metric("pageable per-cycle offload+reload time / mcore_compat's",
+                 (med["pageable"]["offload"] + med["pageable"]["reload"])
                  / (med["mcore_compat"]["offload"] + med["mcore_compat"]["reload"]), "x"),
     ]
     if "megatron" in med:
