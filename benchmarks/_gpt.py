@@ -151,6 +151,38 @@ def forward_step(data_iterator: Any, model: Any) -> tuple[Any, Any]:
     return output, loss_func
 
 
+def train_setup(spec: GPTSpec, seed: int, *, lr: float, weight_decay: float = 0.1,
+                clip_grad: float = 1.0) -> tuple[Any, list[Any], Any]:
+    """The benchmark GPT set up as RL/SFT runs train it, through mcore_compat: DDP (fp32 gradients for bf16), Adam
+    with the distributed optimizer, weight decay on the weights only (biases and norms none), clipping, the
+    training hooks. Returns ``(module, chunks, optimizer)``."""
+    import torch
+
+    from mcore_compat import training as mt
+
+    bf16 = spec.dtype == "bf16"
+    module = build_gpt(spec, seed)
+    chunks = mt.wrap_ddp([module], ddp_config=mt.DDPConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=bf16))
+    optimizer = mt.get_megatron_optimizer(mt.OptimConfig(
+        optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=True),
+        chunks, no_weight_decay_cond=lambda n, p: n.endswith(".bias") or p.dim() == 1)
+    mt.set_lr_and_weight_decay(optimizer, lr, weight_decay)
+    mt.install_training_hooks(chunks, optimizer)
+    return module, chunks, optimizer
+
+
+def train_step(spec: GPTSpec, chunks: list[Any], optimizer: Any, batches: list[dict[str, Any]]) -> float:
+    """One training step on ``batches`` (one micro-batch each); returns the mean micro-batch loss."""
+    from mcore_compat import training as mt
+
+    mt.zero_grad_buffer(chunks, optimizer)
+    stored = mt.forward_backward(forward_step, iter(batches), chunks, len(batches), seq_length=spec.seq,
+                                 micro_batch_size=spec.micro_batch)
+    mt.optimizer_step(optimizer)
+    return float(sum(float(s["loss"]) for s in stored) / len(stored)) if stored else float("nan")
+
+
 def param_bytes(model: Any) -> int:
     """Bytes of all parameters (numel x element size)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -38,25 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     patches, _ps = C.single_rank_megatron(args.device)
     import torch
 
-    from mcore_compat import training as mt
     from mcore_compat.selfcheck import check_training_step
 
-    module = G.build_gpt(spec, args.seed)
-    chunks = mt.wrap_ddp([module], ddp_config=mt.DDPConfig(use_distributed_optimizer=True,
-                                                           grad_reduce_in_fp32=spec.dtype == "bf16"))
-    optimizer = mt.get_megatron_optimizer(mt.OptimConfig(
-        optimizer="adam", lr=LR, weight_decay=0.1, clip_grad=1.0, bf16=spec.dtype == "bf16",
-        params_dtype=torch.bfloat16 if spec.dtype == "bf16" else torch.float32, use_distributed_optimizer=True),
-        chunks, no_weight_decay_cond=lambda n, p: n.endswith(".bias") or p.dim() == 1)
-    mt.set_lr_and_weight_decay(optimizer, LR, 0.1)
-    mt.install_training_hooks(chunks, optimizer)
+    module, chunks, optimizer = G.train_setup(spec, args.seed, lr=LR)
     batches = G.make_batches(spec, args.seed, spec.microbatches)
     kw = dict(seq_length=spec.seq, micro_batch_size=spec.micro_batch)
 
     def plain() -> None:
-        mt.zero_grad_buffer(chunks, optimizer)
-        mt.forward_backward(G.forward_step, iter(batches), chunks, spec.microbatches, **kw)
-        mt.optimizer_step(optimizer)
+        G.train_step(spec, chunks, optimizer, batches)
 
     def check(reference: bool) -> Any:
         return check_training_step(chunks, optimizer, G.forward_step, iter(batches),

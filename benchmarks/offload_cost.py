@@ -95,24 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import mcore_compat as mc
-    from mcore_compat import training as mt
 
-    module = G.build_gpt(spec, args.seed)
-    chunks = mt.wrap_ddp([module], ddp_config=mt.DDPConfig(use_distributed_optimizer=True,
-                                                           grad_reduce_in_fp32=spec.dtype == "bf16"))
-    optimizer = mt.get_megatron_optimizer(mt.OptimConfig(
-        optimizer="adam", lr=LR, weight_decay=0.1, clip_grad=1.0, bf16=spec.dtype == "bf16",
-        params_dtype=torch.bfloat16 if spec.dtype == "bf16" else torch.float32, use_distributed_optimizer=True),
-        chunks)
-    mt.install_training_hooks(chunks, optimizer)
+    _module, chunks, optimizer = G.train_setup(spec, args.seed, lr=LR)
     batches = G.make_batches(spec, args.seed, spec.microbatches)
-    kw = dict(seq_length=spec.seq, micro_batch_size=spec.micro_batch)
 
     def step() -> float:
-        mt.zero_grad_buffer(chunks, optimizer)
-        stored = mt.forward_backward(G.forward_step, iter(batches), chunks, spec.microbatches, **kw)
-        mt.optimizer_step(optimizer)
-        return float(sum(float(s["loss"]) for s in stored) / len(stored))
+        return G.train_step(spec, chunks, optimizer, batches)
 
     step()
     cuda = args.device == "cuda"
