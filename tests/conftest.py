@@ -7,6 +7,9 @@ release). Outside such a session (no megatron-core importable) they are skipped 
 every module's multi-rank scenarios run in it one after another, so a release session starts processes and
 imports torch and Megatron there once instead of once per module. It is registered as a plugin so that the
 example suites (examples/*/tests, whose conftest calls :func:`pytest_configure` too) share the same group.
+A module whose scenarios (``tests/_<name>_scenarios.py``) return ``{"version", "cases"}`` per rank runs them
+with :func:`run_scenarios` in a module-scoped fixture and reads one case with :func:`case_results`
+(``from conftest import case_results, run_scenarios``).
 
 No Megatron import at collection: the same plugin records which ``megatron.core`` modules are in ``sys.modules``
 when collection ends (the session fixture ``megatron_at_collection``), and tests/test_suite_rules.py fails if
@@ -25,7 +28,7 @@ import importlib.machinery
 import os
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -68,6 +71,47 @@ def _rank_group() -> Iterator[Any]:
 
     with Group(2, device="cpu", destroy_subgroups=True) as group:
         yield group
+
+
+def run_scenarios(rank_group: Any, run_all: Callable[[], dict[str, Any]], timeout: float = 300) -> dict[str, Any]:
+    """Run a scenarios module's ``run_all`` once on every rank of ``rank_group``.
+
+    Args:
+        rank_group: the session's :class:`mcore_compat.launch.Group` (the ``rank_group`` fixture).
+        run_all: a module-level function (picklable) that returns ``{"version": str, "cases": {name: dict}}``
+            on each rank; every case dict has a ``"status"`` (``"error"`` with an ``"error"`` text when it raised).
+        timeout: seconds the run may take once the ranks are up.
+
+    Returns:
+        ``{"version": <the release rank 0 saw>, "ranks": [<rank 0's cases>, <rank 1's cases>, ...]}``.
+
+    Raises:
+        mcore_compat.launch.RankFailure: a rank raised outside its cases or exited abnormally.
+        mcore_compat.launch.RankTimeout: the ranks did not finish within ``timeout``.
+    """
+    per_rank = rank_group.run(run_all, timeout=timeout)
+    return {"version": per_rank[0]["version"], "ranks": [r["cases"] for r in per_rank]}
+
+
+def case_results(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """Every rank's result of case ``name`` in ``results`` (from :func:`run_scenarios`), rank 0 first.
+
+    Args:
+        results: what :func:`run_scenarios` returned.
+        name: the case.
+
+    Returns:
+        The case's dict of each rank.
+
+    Raises:
+        KeyError: no rank ran ``name``.
+        pytest.fail.Exception: the case raised on a rank (the test fails with that rank's traceback).
+    """
+    per_rank = [r[name] for r in results["ranks"]]
+    for rank, r in enumerate(per_rank):
+        if r["status"] == "error":
+            pytest.fail(f"{name} on rank {rank} ({results['version']}) raised:\n{r['error']}")
+    return per_rank
 
 
 def _installed_release() -> str | None:
