@@ -1,4 +1,5 @@
-"""``mcore-compat doctor`` as a user runs it: ``python -m mcore_compat doctor`` in a fresh process.
+"""``mcore-compat doctor`` as a user runs it: ``python -m mcore_compat doctor`` in a fresh process (the ``mcore``
+tests: its runs one after another in one fresh process, see ``_RUN_EACH``).
 
 Tests marked ``mcore`` run it against the release on ``sys.path`` and check what it reports against facts read
 independently of mcore-compat: the version from the release's ``megatron/core/package_info.py`` (parsed, not
@@ -106,19 +107,59 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("doctor")
 
 
-@pytest.fixture(scope="module")
-def text_run(workdir: Path) -> subprocess.CompletedProcess[str]:
-    return _doctor(workdir)
+#: What ONE fresh process runs for the ``mcore`` tests: each doctor exactly as ``python -m mcore_compat doctor
+#: ARGS`` (the package's ``__main__`` through ``runpy``), one after another, each run's stdout, stderr and exit
+#: status captured apart. One interpreter instead of one per run: torch (which doctor reports on) is imported once.
+_RUN_EACH = r"""
+import contextlib, io, json, runpy, sys, traceback
+results = {}
+for name, args in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    sys.argv = ["mcore_compat", "doctor", *args]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module("mcore_compat", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        except Exception:  # as an uncaught exception in a process: the traceback on stderr, status 1
+            traceback.print_exc()
+            code = 1
+    results[name] = [code, out.getvalue(), err.getvalue()]
+print("RESULT=" + json.dumps(results))
+"""
 
 
 @pytest.fixture(scope="module")
-def verbose_run(workdir: Path) -> subprocess.CompletedProcess[str]:
-    return _doctor(workdir, "--verbose")
+def runs(workdir: Path, release: tuple[str, Path]) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Every doctor run against the installed release, made in ONE fresh process in ``workdir`` (see
+    ``_RUN_EACH``), by name. Doctor changes nothing in the process it runs in, save for what orders the runs:
+    ``--json`` comes first (its test asserts a fresh process has applied no patch) and ``--probe``, which imports
+    megatron.core, last."""
+    order = [("json", ["--json"]), ("text", []), ("verbose", ["--verbose"]),
+             ("other_version", ["--expect-version", "0.0.1"]), ("probe", ["--probe", "--expect-version", release[0]])]
+    proc = subprocess.run([sys.executable, "-c", _RUN_EACH, json.dumps(order)], capture_output=True, text=True,
+                          cwd=workdir, env=os.environ.copy(), timeout=_TIMEOUT, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")]
+    assert proc.returncode == 0 and lines, f"the doctor runs failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
+    results = json.loads(lines[-1][len("RESULT="):])
+    return {name: subprocess.CompletedProcess([sys.executable, "-m", "mcore_compat", "doctor", *args], *results[name])
+            for name, args in order}
 
 
 @pytest.fixture(scope="module")
-def json_run(workdir: Path) -> subprocess.CompletedProcess[str]:
-    return _doctor(workdir, "--json")
+def text_run(runs: dict[str, subprocess.CompletedProcess[str]]) -> subprocess.CompletedProcess[str]:
+    return runs["text"]
+
+
+@pytest.fixture(scope="module")
+def verbose_run(runs: dict[str, subprocess.CompletedProcess[str]]) -> subprocess.CompletedProcess[str]:
+    return runs["verbose"]
+
+
+@pytest.fixture(scope="module")
+def json_run(runs: dict[str, subprocess.CompletedProcess[str]]) -> subprocess.CompletedProcess[str]:
+    return runs["json"]
 
 
 @pytest.mark.mcore
@@ -199,18 +240,19 @@ def test_doctor_json_is_the_same_report(json_run: subprocess.CompletedProcess[st
 
 
 @pytest.mark.mcore
-def test_doctor_probe_agrees_with_the_real_module(workdir: Path, release: tuple[str, Path]) -> None:
+def test_doctor_probe_agrees_with_the_real_module(runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
     """``--probe`` imports megatron.core and checks every fact against its probe; ``--expect-version`` the
     release."""
-    proc = _doctor(workdir, "--probe", "--expect-version", release[0])
+    proc = runs["probe"]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = _section(proc.stdout.splitlines(), "facts")
     assert len(rows) == len(facts()) and all("probe=agrees" in row for row in rows), [r for r in rows if "probe=agrees" not in r]
 
 
 @pytest.mark.mcore
-def test_doctor_fails_on_another_expected_version(workdir: Path, release: tuple[str, Path]) -> None:
-    proc = _doctor(workdir, "--expect-version", "0.0.1")
+def test_doctor_fails_on_another_expected_version(runs: dict[str, subprocess.CompletedProcess[str]],
+                                                  release: tuple[str, Path]) -> None:
+    proc = runs["other_version"]
     assert proc.returncode == 1
     assert "expected megatron-core 0.0.1" in proc.stderr and release[0] in proc.stderr, proc.stderr
 
