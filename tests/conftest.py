@@ -9,7 +9,8 @@ imports torch and Megatron there once instead of once per module. It is register
 example suites (examples/*/tests, whose conftest calls :func:`pytest_configure` too) share the same group.
 A module whose scenarios (``tests/_<name>_scenarios.py``) return ``{"version", "cases"}`` per rank runs them
 with :func:`run_scenarios` in a module-scoped fixture and reads one case with :func:`case_results`
-(``from conftest import case_results, run_scenarios``).
+(``from conftest import case_results, run_scenarios``). :func:`run_in_one_process` makes several command
+lines (``-m mcore_compat ...``, ``-c CODE``) in ONE fresh interpreter, each with its own output and exit status.
 
 No Megatron import at collection: the same plugin records which ``megatron.core`` modules are in ``sys.modules``
 when collection ends (the session fixture ``megatron_at_collection``), and tests/test_suite_rules.py fails if
@@ -25,10 +26,13 @@ not is reported as a failure. A failure is never turned into a skip.
 from __future__ import annotations
 
 import importlib.machinery
+import json
 import os
+import subprocess
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -112,6 +116,68 @@ def case_results(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
         if r["status"] == "error":
             pytest.fail(f"{name} on rank {rank} ({results['version']}) raised:\n{r['error']}")
     return per_rank
+
+
+#: The child of :func:`run_in_one_process`: each command line as the interpreter would run it (``-m``: the
+#: module's ``__main__`` through ``runpy``; ``-c``: the code as ``__main__``), stdout, stderr and status apart.
+_RUN_EACH = r"""
+import contextlib, io, json, runpy, sys, traceback
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            if argv[0] == "-m":
+                sys.argv = [argv[1], *argv[2:]]
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = ["-c", *argv[2:]]
+                exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        except Exception:  # as an uncaught exception in a process: the traceback on stderr, status 1
+            traceback.print_exc()
+            code = 1
+    results.append([code, out.getvalue(), err.getvalue()])
+sys.stdout.write("RESULT=" + json.dumps(results) + "\n")
+"""
+
+
+def run_in_one_process(runs: Sequence[Sequence[str]], cwd: Path, env: Mapping[str, str] | None = None,
+                       flags: Sequence[str] = (), timeout: float = 600) -> list[subprocess.CompletedProcess[str]]:
+    """Run several command lines one after another in ONE fresh interpreter, as if each were its own process.
+
+    For commands that change nothing in the process they run in (``doctor``, a self-check stopped by its
+    pre-flight): one start of torch instead of one per command. Order the runs so that one that imports
+    Megatron (``doctor --probe``) comes after those that must see a process that has not.
+
+    Args:
+        runs: the interpreter's arguments of each run: ``["-m", "mcore_compat", "doctor", ...]`` or
+            ``["-c", CODE]``.
+        cwd: the working directory.
+        env: the environment (default: this process's).
+        flags: interpreter options (e.g. ``["-P"]``).
+        timeout: seconds for all the runs together.
+
+    Returns:
+        One ``CompletedProcess`` per run (``args``: the command line it stands for; ``returncode``: the status
+        ``SystemExit`` gave, 1 for an uncaught exception, whose traceback is then in ``stderr``).
+
+    Raises:
+        AssertionError: the interpreter itself failed (its stderr is in the message).
+        subprocess.TimeoutExpired: the runs took longer than ``timeout``.
+    """
+    for argv in runs:
+        assert argv and argv[0] in ("-m", "-c") and len(argv) >= 2, argv
+    proc = subprocess.run([sys.executable, *flags, "-c", _RUN_EACH, json.dumps([list(a) for a in runs])],
+                          capture_output=True, text=True, cwd=cwd, env=dict(os.environ if env is None else env),
+                          timeout=timeout, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")]
+    assert proc.returncode == 0 and lines, f"the runs failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
+    results = json.loads(lines[-1][len("RESULT="):])
+    return [subprocess.CompletedProcess([sys.executable, *flags, *argv], code, out, err)
+            for argv, (code, out, err) in zip(runs, results, strict=True)]
 
 
 def _installed_release() -> str | None:

@@ -1,5 +1,5 @@
 """``mcore-compat doctor`` as a user runs it: ``python -m mcore_compat doctor`` in a fresh process (the ``mcore``
-tests: its runs one after another in one fresh process, see ``_RUN_EACH``).
+tests: its runs one after another in one fresh process, see ``runs``).
 
 Tests marked ``mcore`` run it against the release on ``sys.path`` and check what it reports against facts read
 independently of mcore-compat: the version from the release's ``megatron/core/package_info.py`` (parsed, not
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import run_in_one_process
 from packaging.version import Version
 
 import mcore_compat
@@ -107,44 +108,17 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("doctor")
 
 
-#: What ONE fresh process runs for the ``mcore`` tests: each doctor exactly as ``python -m mcore_compat doctor
-#: ARGS`` (the package's ``__main__`` through ``runpy``), one after another, each run's stdout, stderr and exit
-#: status captured apart. One interpreter instead of one per run: torch (which doctor reports on) is imported once.
-_RUN_EACH = r"""
-import contextlib, io, json, runpy, sys, traceback
-results = {}
-for name, args in json.loads(sys.argv[1]):
-    out, err = io.StringIO(), io.StringIO()
-    sys.argv = ["mcore_compat", "doctor", *args]
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_module("mcore_compat", run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-        except Exception:  # as an uncaught exception in a process: the traceback on stderr, status 1
-            traceback.print_exc()
-            code = 1
-    results[name] = [code, out.getvalue(), err.getvalue()]
-print("RESULT=" + json.dumps(results))
-"""
-
-
 @pytest.fixture(scope="module")
 def runs(workdir: Path, release: tuple[str, Path]) -> dict[str, subprocess.CompletedProcess[str]]:
-    """Every doctor run against the installed release, made in ONE fresh process in ``workdir`` (see
-    ``_RUN_EACH``), by name. Doctor changes nothing in the process it runs in, save for what orders the runs:
-    ``--json`` comes first (its test asserts a fresh process has applied no patch) and ``--probe``, which imports
-    megatron.core, last."""
-    order = [("json", ["--json"]), ("text", []), ("verbose", ["--verbose"]),
-             ("other_version", ["--expect-version", "0.0.1"]), ("probe", ["--probe", "--expect-version", release[0]])]
-    proc = subprocess.run([sys.executable, "-c", _RUN_EACH, json.dumps(order)], capture_output=True, text=True,
-                          cwd=workdir, env=os.environ.copy(), timeout=_TIMEOUT, check=False)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")]
-    assert proc.returncode == 0 and lines, f"the doctor runs failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
-    results = json.loads(lines[-1][len("RESULT="):])
-    return {name: subprocess.CompletedProcess([sys.executable, "-m", "mcore_compat", "doctor", *args], *results[name])
-            for name, args in order}
+    """Every doctor run against the installed release, by name, made one after another in ONE fresh process in
+    ``workdir`` (``run_in_one_process``: torch, which doctor reports on, starts once instead of five times).
+    Doctor changes nothing in the process it runs in, save for what orders the runs: ``--json`` comes first (its
+    test asserts a fresh process has applied no patch) and ``--probe``, which imports megatron.core, last."""
+    order = {"json": ["--json"], "text": [], "verbose": ["--verbose"],
+             "other_version": ["--expect-version", "0.0.1"], "probe": ["--probe", "--expect-version", release[0]]}
+    done = run_in_one_process([["-m", "mcore_compat", "doctor", *args] for args in order.values()], workdir,
+                              timeout=_TIMEOUT)
+    return dict(zip(order, done, strict=True))
 
 
 @pytest.fixture(scope="module")
