@@ -7,8 +7,8 @@ The ``unit`` tests do not depend on the release and run once, in the unit sessio
 built as input, not by mocking Megatron: a ``megatron/core`` tree whose ``package_info.py`` holds the version under
 test (0.3.0, an unreadable one, 0.8.0, ...) first on ``PYTHONPATH``, and distribution metadata (a ``.dist-info``
 directory) that declares an installed version, e.g. setuptools 84. The ``mcore`` tests run in every release
-session against the real release (doctor and the pre-flight one after another in one fresh process; in the
-sessions tagged ``launcher``, one torchrun self-check and one timeout).
+session against the real release (a few subprocesses each: doctor, the pre-flight, one torchrun self-check, one
+timeout).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_in_one_process
 from packaging.specifiers import SpecifierSet
 
 import mcore_compat
@@ -335,23 +334,22 @@ def test_a_broken_limit_of_the_release_stops_doctor_and_self_check(tmp_path: Pat
     name, spec, bad = broken
     shadow = tmp_path / "shadow"
     _dist(shadow, name, bad)
-    # the self-check (or, for numpy, what its pre-flight decides, without starting the passing run) and doctor:
-    # one after another in one fresh process (neither changes the process; torch starts once)
-    code = ("from mcore_compat.preflight import require\nr = require()\n"
-            "print(r.ok, r.notes[0] if r.notes else '')")
-    second = ["-m", "mcore_compat", "self-check", "--nproc", "2"] if name != "numpy" else ["-c", code]
-    doctor, after = run_in_one_process([["-m", "mcore_compat", "doctor"], second], work, _env(shadow), ["-P"],
-                                       _TIMEOUT)
+    env = _env(shadow)
+    doctor = _cli(work, env, "doctor")
     assert doctor.returncode == 1, doctor.stdout + doctor.stderr
     _no_traceback(doctor)
     assert f"{name}{spec} is required" in doctor.stdout and f"{name} {bad} is installed" in doctor.stdout
     assert _fix_line(doctor.stdout) == _pip(f"{name}{spec}")
     if name != "numpy":
-        assert after.returncode == 3 and _fix_line(after.stderr) == _pip(f"{name}{spec}"), after.stderr
-        _no_traceback(after)
-    else:
-        assert after.returncode == 0 and after.stdout.startswith("True the environment does NOT fit"), after.stderr
-        assert f"{name}{spec} is required" in after.stdout
+        check = _cli(work, env, "self-check", "--nproc", "2")
+        assert check.returncode == 3 and _fix_line(check.stderr) == _pip(f"{name}{spec}"), check.stderr
+        _no_traceback(check)
+    else:  # what the self-check's pre-flight decides, without starting the (passing) run
+        code = ("from mcore_compat.preflight import require\nr = require()\n"
+                "print(r.ok, r.notes[0] if r.notes else '')")
+        proc = _run([sys.executable, "-P", "-c", code], work, env)
+        assert proc.returncode == 0 and proc.stdout.startswith("True the environment does NOT fit"), proc.stderr
+        assert f"{name}{spec} is required" in proc.stdout
 
 
 @pytest.mark.mcore
