@@ -14,13 +14,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ci.jobs import run_lint, run_release, run_unit
+from ci.jobs import LAUNCHER_TAG, run_lint, run_release, run_unit
 from ci.matrix_env import MatrixEnv, pytag
 from ci.output import JobError, Out, console
 from ci.results import JobResult, counts_text, cpu_record, summary_line, tail
 
 #: A job body: given its output, it returns its result.
 Body = Callable[[Out], JobResult]
+#: Expected costs relative to a release session (:attr:`Job.weight`): a session that also runs the launcher tests
+#: takes about 15% longer; unit and lint take a fraction of one.
+_LAUNCHER_WEIGHT, _UNIT_WEIGHT, _LINT_WEIGHT = 1.15, 0.5, 0.2
 
 
 @dataclass(frozen=True)
@@ -31,11 +34,22 @@ class Job:
         name: its session name (and log file name).
         python: the base it needs.
         body: what it runs.
+        weight: its expected cost relative to a release session (1); the matrix starts heavier jobs first and
+            jobs lighter than 1 (unit, lint) last, so that the last minutes are not one long session alone.
     """
 
     name: str
     python: str
     body: Body
+    weight: float = 1.0
+
+
+def start_order(jobs: Sequence[Job]) -> list[Job]:
+    """The order in which :func:`run_jobs` starts ``jobs``: the jobs of weight >= 1 first, by base (in the order
+    the bases first appear, so the first base's jobs run while a later base is still being built), heaviest first
+    within a base; then the lighter jobs, heaviest first. Ties keep the order of ``jobs``."""
+    bases = list(dict.fromkeys(j.python for j in jobs))
+    return sorted(jobs, key=lambda j: (j.weight < 1, 0 if j.weight < 1 else bases.index(j.python), -j.weight))
 
 
 @dataclass
@@ -83,7 +97,8 @@ def _job(log: Path, name: str, base: cf.Future[Path], body: Body) -> JobResult:
 
 
 def run_jobs(env: MatrixEnv, jobs: Sequence[Job], parallel: int) -> list[JobResult]:
-    """Run ``jobs``, ``parallel`` at a time, after building their bases in the background.
+    """Run ``jobs``, ``parallel`` at a time (started in :func:`start_order`), after building their bases in the
+    background.
 
     One line is printed per finished job (and the tail of its log if it failed).
 
@@ -95,8 +110,9 @@ def run_jobs(env: MatrixEnv, jobs: Sequence[Job], parallel: int) -> list[JobResu
     pythons = sorted({j.python for j in jobs})
     with cf.ThreadPoolExecutor(max(1, len(pythons))) as base_pool, cf.ThreadPoolExecutor(parallel) as pool:
         bases = {py: base_pool.submit(_build_base, env, py, logs / f"base-{pytag(py)}.log") for py in pythons}
-        futures = {pool.submit(_job, logs / f"{j.name}.log", j.name, bases[j.python], j.body): j.name for j in jobs}
-        return _collect(futures)
+        futures = {pool.submit(_job, logs / f"{j.name}.log", j.name, bases[j.python], j.body): j.name
+                   for j in start_order(jobs)}
+        return _collect(futures, [j.name for j in jobs])
 
 
 def _build_base(env: MatrixEnv, python: str, log: Path) -> Path:
@@ -107,7 +123,7 @@ def _build_base(env: MatrixEnv, python: str, log: Path) -> Path:
         out.close()
 
 
-def _collect(futures: dict[cf.Future[JobResult], str]) -> list[JobResult]:
+def _collect(futures: dict[cf.Future[JobResult], str], order: list[str]) -> list[JobResult]:
     results: list[JobResult] = []
     for n, fut in enumerate(cf.as_completed(futures), 1):
         res = fut.result()
@@ -116,7 +132,6 @@ def _collect(futures: dict[cf.Future[JobResult], str]) -> list[JobResult]:
         console(f"[{n:>2}/{len(futures)}] {mark} {res.name:<14} {counts_text(res):<40} {res.seconds:7.1f}s")
         if not res.ok:
             console(f"      {res.details}\n      --- last lines of {res.log} ---\n{tail(res.log)}\n      ---")
-    order = list(futures.values())
     return sorted(results, key=lambda r: order.index(r.name))
 
 
@@ -166,9 +181,10 @@ def run_matrix(env: MatrixEnv, args: Sequence[str], log: Callable[[str], None]) 
     opts = parse_matrix_args(args)
     env.layout.summary_file.unlink(missing_ok=True)
     releases = [r for r in env.releases() if opts.tag is None or opts.tag in r.tags]
-    jobs = [Job("unit", env.tools_python, functools.partial(run_unit, env)),
-            Job("lint", env.tools_python, functools.partial(run_lint, env))]
-    jobs += [Job(r.session, r.python, functools.partial(run_release, env, r)) for r in releases]
+    jobs = [Job("unit", env.tools_python, functools.partial(run_unit, env), weight=_UNIT_WEIGHT),
+            Job("lint", env.tools_python, functools.partial(run_lint, env), weight=_LINT_WEIGHT)]
+    jobs += [Job(r.session, r.python, functools.partial(run_release, env, r),
+                 weight=_LAUNCHER_WEIGHT if LAUNCHER_TAG in r.tags else 1.0) for r in releases]
     pythons = sorted({j.python for j in jobs})
     log(f"matrix: unit, lint and {len(releases)} releases on Python {', '.join(pythons)}, {opts.jobs} at a time; "
         f"logs in {env.layout.logs}")

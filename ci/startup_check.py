@@ -1,17 +1,21 @@
 """The start-up check of a release session, run by the base interpreter before pytest.
 
 ``python -P ci/startup_check.py VERSION MC_DIR MCC_DIR REPORT_JSON`` with ``PYTHONPATH=MC_DIR:MCC_DIR``.
-It fails unless mcore_compat is imported from the installed copy in ``MCC_DIR`` and megatron-core ``VERSION`` from
-``MC_DIR``, then writes what the session runs on (Python, torch, megatron-core, apex, ...) to ``REPORT_JSON``
-(recorded in ``matrix/results.json``).
+It fails unless mcore_compat is imported from the installed copy in ``MCC_DIR`` and megatron-core ``VERSION`` is
+found in ``MC_DIR`` (and torch is installed), then writes what the session runs on (Python, torch, megatron-core,
+apex, ...) to ``REPORT_JSON`` (recorded in ``matrix/results.json``).
+
+It imports neither torch nor megatron.core: both are located the way ``import`` would locate them (``find_spec``;
+megatron-core's version from its ``package_info.py``, torch's from ``torch/version.py``). pytest, which runs next, imports
+them in every test process; importing them here as well cost each session 4-15 s of a 2-core machine.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata as md
 import importlib.util
 import json
-import os
 import platform
 import sys
 from pathlib import Path
@@ -31,8 +35,19 @@ def _dist_version(*names: str) -> str | None:
     return None
 
 
+def _declared_version(path: Path) -> str:
+    """The ``__version__`` that ``path`` (e.g. ``torch/version.py``) assigns, read without importing it: torch's
+    carries its build (``2.13.0+cpu``, ``2.13.0+cu130``), which its distribution metadata may not."""
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "__version__" for t in targets) and node.value is not None:
+                return str(ast.literal_eval(node.value))
+    raise AssertionError(f"{path} assigns no __version__")
+
+
 def check(want: str, mc_dir: Path, mcc_dir: Path) -> dict[str, object]:
-    """Import mcore_compat, torch and megatron.core and check where they come from.
+    """Import mcore_compat, locate torch and megatron.core (without importing them) and check where they are.
 
     Args:
         want: the megatron-core version the session tests.
@@ -54,18 +69,16 @@ def check(want: str, mc_dir: Path, mcc_dir: Path) -> dict[str, object]:
         f"mcore_compat.detect() reports megatron-core {info.version}, the session wants {want}: {info.describe()}")
     assert _inside(info.path, mc_dir), (
         f"mcore_compat.detect() found megatron.core in {info.path}, not in {mc_dir}")
-    import torch
-
-    # 0.15.x JIT-builds a CUDA extension on import unless this is set (mcore_compat's patches handle it in the tests).
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-    import megatron.core
-
-    assert _inside(megatron.core.__file__, mc_dir), (
-        f"megatron.core was imported from {megatron.core.__file__}, not from {mc_dir}")
+    core = importlib.util.find_spec("megatron.core")  # imports the namespace package megatron only
+    assert core is not None and core.origin is not None and _inside(core.origin, mc_dir), (
+        f"megatron.core would be imported from {core.origin if core else None}, not from {mc_dir}")
+    torch = importlib.util.find_spec("torch")
+    assert torch is not None and torch.origin is not None, f"torch is not installed for {sys.executable}"
+    torch_version = _declared_version(Path(torch.origin).parent / "version.py")
     return {
         "python": platform.python_version(),
         "executable": sys.executable,
-        "torch": torch.__version__,
+        "torch": torch_version,
         "megatron_core": str(info.version),
         "megatron_source": info.source,
         "megatron_path": str(info.path),

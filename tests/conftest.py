@@ -7,6 +7,10 @@ release). Outside such a session (no megatron-core importable) they are skipped 
 every module's multi-rank scenarios run in it one after another, so a release session starts processes and
 imports torch and Megatron there once instead of once per module. It is registered as a plugin so that the
 example suites (examples/*/tests, whose conftest calls :func:`pytest_configure` too) share the same group.
+A module whose scenarios (``tests/_<name>_scenarios.py``) return ``{"version", "cases"}`` per rank runs them
+with :func:`run_scenarios` in a module-scoped fixture and reads one case with :func:`case_results`
+(``from conftest import case_results, run_scenarios``). :func:`run_in_one_process` makes several command
+lines (``-m mcore_compat ...``, ``-c CODE``) in ONE fresh interpreter, each with its own output and exit status.
 
 No Megatron import at collection: the same plugin records which ``megatron.core`` modules are in ``sys.modules``
 when collection ends (the session fixture ``megatron_at_collection``), and tests/test_suite_rules.py fails if
@@ -22,10 +26,13 @@ not is reported as a failure. A failure is never turned into a skip.
 from __future__ import annotations
 
 import importlib.machinery
+import json
 import os
+import subprocess
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -68,6 +75,109 @@ def _rank_group() -> Iterator[Any]:
 
     with Group(2, device="cpu", destroy_subgroups=True) as group:
         yield group
+
+
+def run_scenarios(rank_group: Any, run_all: Callable[[], dict[str, Any]], timeout: float = 300) -> dict[str, Any]:
+    """Run a scenarios module's ``run_all`` once on every rank of ``rank_group``.
+
+    Args:
+        rank_group: the session's :class:`mcore_compat.launch.Group` (the ``rank_group`` fixture).
+        run_all: a module-level function (picklable) that returns ``{"version": str, "cases": {name: dict}}``
+            on each rank; every case dict has a ``"status"`` (``"error"`` with an ``"error"`` text when it raised).
+        timeout: seconds the run may take once the ranks are up.
+
+    Returns:
+        ``{"version": <the release rank 0 saw>, "ranks": [<rank 0's cases>, <rank 1's cases>, ...]}``.
+
+    Raises:
+        mcore_compat.launch.RankFailure: a rank raised outside its cases or exited abnormally.
+        mcore_compat.launch.RankTimeout: the ranks did not finish within ``timeout``.
+    """
+    per_rank = rank_group.run(run_all, timeout=timeout)
+    return {"version": per_rank[0]["version"], "ranks": [r["cases"] for r in per_rank]}
+
+
+def case_results(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """Every rank's result of case ``name`` in ``results`` (from :func:`run_scenarios`), rank 0 first.
+
+    Args:
+        results: what :func:`run_scenarios` returned.
+        name: the case.
+
+    Returns:
+        The case's dict of each rank.
+
+    Raises:
+        KeyError: no rank ran ``name``.
+        pytest.fail.Exception: the case raised on a rank (the test fails with that rank's traceback).
+    """
+    per_rank = [r[name] for r in results["ranks"]]
+    for rank, r in enumerate(per_rank):
+        if r["status"] == "error":
+            pytest.fail(f"{name} on rank {rank} ({results['version']}) raised:\n{r['error']}")
+    return per_rank
+
+
+#: The child of :func:`run_in_one_process`: each command line as the interpreter would run it (``-m``: the
+#: module's ``__main__`` through ``runpy``; ``-c``: the code as ``__main__``), stdout, stderr and status apart.
+_RUN_EACH = r"""
+import contextlib, io, json, runpy, sys, traceback
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            if argv[0] == "-m":
+                sys.argv = [argv[1], *argv[2:]]
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = ["-c", *argv[2:]]
+                exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        except Exception:  # as an uncaught exception in a process: the traceback on stderr, status 1
+            traceback.print_exc()
+            code = 1
+    results.append([code, out.getvalue(), err.getvalue()])
+sys.stdout.write("RESULT=" + json.dumps(results) + "\n")
+"""
+
+
+def run_in_one_process(runs: Sequence[Sequence[str]], cwd: Path, env: Mapping[str, str] | None = None,
+                       flags: Sequence[str] = (), timeout: float = 600) -> list[subprocess.CompletedProcess[str]]:
+    """Run several command lines one after another in ONE fresh interpreter, as if each were its own process.
+
+    For commands that change nothing in the process they run in (``doctor``, a self-check stopped by its
+    pre-flight): one start of torch instead of one per command. Order the runs so that one that imports
+    Megatron (``doctor --probe``) comes after those that must see a process that has not.
+
+    Args:
+        runs: the interpreter's arguments of each run: ``["-m", "mcore_compat", "doctor", ...]`` or
+            ``["-c", CODE]``.
+        cwd: the working directory.
+        env: the environment (default: this process's).
+        flags: interpreter options (e.g. ``["-P"]``).
+        timeout: seconds for all the runs together.
+
+    Returns:
+        One ``CompletedProcess`` per run (``args``: the command line it stands for; ``returncode``: the status
+        ``SystemExit`` gave, 1 for an uncaught exception, whose traceback is then in ``stderr``).
+
+    Raises:
+        AssertionError: the interpreter itself failed (its stderr is in the message).
+        subprocess.TimeoutExpired: the runs took longer than ``timeout``.
+    """
+    for argv in runs:
+        assert argv and argv[0] in ("-m", "-c") and len(argv) >= 2, argv
+    proc = subprocess.run([sys.executable, *flags, "-c", _RUN_EACH, json.dumps([list(a) for a in runs])],
+                          capture_output=True, text=True, cwd=cwd, env=dict(os.environ if env is None else env),
+                          timeout=timeout, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")]
+    assert proc.returncode == 0 and lines, f"the runs failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
+    results = json.loads(lines[-1][len("RESULT="):])
+    return [subprocess.CompletedProcess([sys.executable, *flags, *argv], code, out, err)
+            for argv, (code, out, err) in zip(runs, results, strict=True)]
 
 
 def _installed_release() -> str | None:

@@ -13,6 +13,7 @@ from typing import Any
 import _binding_scenarios as SCENARIOS
 import pytest
 import torch
+from conftest import case_results, run_scenarios
 
 from mcore_compat._ranges import in_range
 from mcore_compat.binding import (
@@ -213,16 +214,7 @@ def test_own_storage_check_names_views_and_spares_the_legitimate() -> None:
 
 @pytest.fixture(scope="module")
 def results(rank_group: Any) -> dict[str, Any]:
-    per_rank = rank_group.run(SCENARIOS.run_all, timeout=300)
-    return {"version": per_rank[0]["version"], "ranks": [r["cases"] for r in per_rank]}
-
-
-def _get(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
-    per_rank = [r[name] for r in results["ranks"]]
-    for rank, r in enumerate(per_rank):
-        if r["status"] == "error":
-            pytest.fail(f"{name} on rank {rank} ({results['version']}) raised:\n{r['error']}")
-    return per_rank
+    return run_scenarios(rank_group, SCENARIOS.run_all, timeout=300)
 
 
 def _has_param_buffer(version: str) -> bool:
@@ -235,7 +227,7 @@ def _has_param_buffer(version: str) -> bool:
 def test_raw_rebind_after_optimizer_loses_every_update(results: dict[str, Any]) -> None:
     """The bug, reproduced with raw Megatron (0.6+, distributed optimizer, DP=2): after an outside rebind of
     param.data the step goes into DDP's param buffer and no parameter seen through the model changes."""
-    per_rank = _get(results, "raw-rebind-distopt")
+    per_rank = case_results(results, "raw-rebind-distopt")
     if not _has_param_buffer(results["version"]):
         assert all(r["status"] == "n/a" for r in per_rank)
         pytest.skip(f"release limit: megatron-core {results['version']} has no DDP param buffer (the bug cannot "
@@ -248,7 +240,7 @@ def test_raw_rebind_after_optimizer_loses_every_update(results: dict[str, Any]) 
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", BIND_STEP_CASES)
 def test_bound_params_train_and_buffers_show_them(results: dict[str, Any], name: str) -> None:
-    per_rank = _get(results, name)
+    per_rank = case_results(results, name)
     expected_mode = "zero_copy" if "distopt" in name and _has_param_buffer(results["version"]) else "allocated"
     for r in per_rank:
         assert r["mode"] == expected_mode
@@ -262,7 +254,7 @@ def test_bound_params_train_and_buffers_show_them(results: dict[str, Any], name:
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", FAULT_CASES)
 def test_verify_names_each_broken_parameter(results: dict[str, Any], name: str) -> None:
-    for r in _get(results, name):
+    for r in case_results(results, name):
         assert r["clean"] is None and r["restored"] is None
         assert "fc1.bias: rebound outside" in r["outside"] and "1 of 4" in r["outside"]
         assert "fc2.bias: at offset" in r["moved"] and "1 of 4" in r["moved"]
@@ -276,7 +268,7 @@ def test_verify_names_each_broken_parameter(results: dict[str, Any], name: str) 
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", UNBIND_CASES)
 def test_unbind_preserves_weights_and_state_dict(results: dict[str, Any], name: str) -> None:
-    for r in _get(results, name):
+    for r in case_results(results, name):
         assert r["trained"] and not r["bound_after_exit"]
         assert r["weights_preserved"] and not r["moved_by_unbind"]
         assert r["state_dict_diff"] == [] and r["state_dict_round_trip_diff"] == []
@@ -291,7 +283,7 @@ def test_unbind_preserves_weights_and_state_dict(results: dict[str, Any], name: 
 
 @pytest.mark.mcore
 def test_refusals(results: dict[str, Any]) -> None:
-    for r in _get(results, "refusals"):
+    for r in case_results(results, "refusals"):
         assert r["not_wrapped"] is not None and "wrap_ddp" in r["not_wrapped"]
         if in_range(results["version"], MXFP8_FLAG_RELEASES):
             assert r["mxfp8"] is not None and "reuse_grad_buf_for_mxfp8_param_ag" in r["mxfp8"]
@@ -301,7 +293,7 @@ def test_refusals(results: dict[str, Any]) -> None:
 @pytest.mark.parametrize("name", PIPELINE_CASES)
 def test_gather_pipeline_returns_every_stage_with_one_collective_per_buffer(results: dict[str, Any],
                                                                             name: str) -> None:
-    per_rank = _get(results, name)
+    per_rank = case_results(results, name)
     assert sorted(r["stage"] for r in per_rank) == [0, 1]
     n_buffers = sum(per_rank[0]["flats_per_stage"])
     for r in per_rank:
@@ -331,7 +323,7 @@ def _assert_flat_stages(check: dict[str, Any], stages: list[int]) -> None:
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", PIPELINE_CASES)
 def test_gather_pipeline_flat_returns_every_stage_manifest_and_buffers(results: dict[str, Any], name: str) -> None:
-    per_rank = _get(results, name)
+    per_rank = case_results(results, name)
     n_buffers = sum(per_rank[0]["flats_per_stage"])
     for r in per_rank:
         _assert_flat_stages(r["flat"], [0, 1])
@@ -348,7 +340,7 @@ def test_gather_pipeline_flat_returns_every_stage_manifest_and_buffers(results: 
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", PIPELINE_CASES)
 def test_gather_pipeline_flat_reuses_receive_buffers(results: dict[str, Any], name: str) -> None:
-    for r in _get(results, name):
+    for r in case_results(results, name):
         reuse = r["reuse"]
         assert reuse["n_other_buffers"] > 0
         _assert_flat_stages(reuse["after_step"], [0, 1])  # the second call holds the weights after the step
@@ -361,7 +353,7 @@ def test_gather_pipeline_flat_reuses_receive_buffers(results: dict[str, Any], na
 @pytest.mark.parametrize("name", CHUNK_CASES)
 def test_several_chunks_frozen_params_and_dtype_filter(results: dict[str, Any], name: str) -> None:
     expected_mode = "zero_copy" if "distopt" in name and _has_param_buffer(results["version"]) else "allocated"
-    per_rank = _get(results, name)
+    per_rank = case_results(results, name)
     for r in per_rank:
         assert r["mode"] == expected_mode and r["update_successful"]
         assert r["names"] == [f"chunk{c}.{n}" for c in (0, 1) for n in ("fc1.weight", "fc1.bias", "fc2.weight",
@@ -382,7 +374,7 @@ def test_params_pointed_into_a_buffer_of_yours_are_refused_with_nothing_changed(
     allocated binding of params an earlier one still holds is refused until that one is unbound."""
     zero_copy = "distopt" in name and _has_param_buffer(results["version"])
     names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
-    for r in _get(results, name):
+    for r in case_results(results, name):
         text = r["refused"]
         assert text is not None, "bind_params took over the user's buffer"
         for n in names:

@@ -1,4 +1,5 @@
-"""``mcore-compat doctor`` as a user runs it: ``python -m mcore_compat doctor`` in a fresh process.
+"""``mcore-compat doctor`` as a user runs it: ``python -m mcore_compat doctor`` in a fresh process (the ``mcore``
+tests: its runs one after another in one fresh process, see ``runs``).
 
 Tests marked ``mcore`` run it against the release on ``sys.path`` and check what it reports against facts read
 independently of mcore-compat: the version from the release's ``megatron/core/package_info.py`` (parsed, not
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import run_in_one_process
 from packaging.version import Version
 
 import mcore_compat
@@ -107,18 +109,31 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def text_run(workdir: Path) -> subprocess.CompletedProcess[str]:
-    return _doctor(workdir)
+def runs(workdir: Path, release: tuple[str, Path]) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Every doctor run against the installed release, by name, made one after another in ONE fresh process in
+    ``workdir`` (``run_in_one_process``: torch, which doctor reports on, starts once instead of five times).
+    Doctor changes nothing in the process it runs in, save for what orders the runs: ``--json`` comes first (its
+    test asserts a fresh process has applied no patch) and ``--probe``, which imports megatron.core, last."""
+    order = {"json": ["--json"], "text": [], "verbose": ["--verbose"],
+             "other_version": ["--expect-version", "0.0.1"], "probe": ["--probe", "--expect-version", release[0]]}
+    done = run_in_one_process([["-m", "mcore_compat", "doctor", *args] for args in order.values()], workdir,
+                              timeout=_TIMEOUT)
+    return dict(zip(order, done, strict=True))
 
 
 @pytest.fixture(scope="module")
-def verbose_run(workdir: Path) -> subprocess.CompletedProcess[str]:
-    return _doctor(workdir, "--verbose")
+def text_run(runs: dict[str, subprocess.CompletedProcess[str]]) -> subprocess.CompletedProcess[str]:
+    return runs["text"]
 
 
 @pytest.fixture(scope="module")
-def json_run(workdir: Path) -> subprocess.CompletedProcess[str]:
-    return _doctor(workdir, "--json")
+def verbose_run(runs: dict[str, subprocess.CompletedProcess[str]]) -> subprocess.CompletedProcess[str]:
+    return runs["verbose"]
+
+
+@pytest.fixture(scope="module")
+def json_run(runs: dict[str, subprocess.CompletedProcess[str]]) -> subprocess.CompletedProcess[str]:
+    return runs["json"]
 
 
 @pytest.mark.mcore
@@ -199,18 +214,19 @@ def test_doctor_json_is_the_same_report(json_run: subprocess.CompletedProcess[st
 
 
 @pytest.mark.mcore
-def test_doctor_probe_agrees_with_the_real_module(workdir: Path, release: tuple[str, Path]) -> None:
+def test_doctor_probe_agrees_with_the_real_module(runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
     """``--probe`` imports megatron.core and checks every fact against its probe; ``--expect-version`` the
     release."""
-    proc = _doctor(workdir, "--probe", "--expect-version", release[0])
+    proc = runs["probe"]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = _section(proc.stdout.splitlines(), "facts")
     assert len(rows) == len(facts()) and all("probe=agrees" in row for row in rows), [r for r in rows if "probe=agrees" not in r]
 
 
 @pytest.mark.mcore
-def test_doctor_fails_on_another_expected_version(workdir: Path, release: tuple[str, Path]) -> None:
-    proc = _doctor(workdir, "--expect-version", "0.0.1")
+def test_doctor_fails_on_another_expected_version(runs: dict[str, subprocess.CompletedProcess[str]],
+                                                  release: tuple[str, Path]) -> None:
+    proc = runs["other_version"]
     assert proc.returncode == 1
     assert "expected megatron-core 0.0.1" in proc.stderr and release[0] in proc.stderr, proc.stderr
 

@@ -424,6 +424,19 @@ def test_parse_matrix_args() -> None:
             scheduler.parse_matrix_args(bad)
 
 
+def test_start_order_heaviest_first_by_base_and_the_light_jobs_last() -> None:
+    """Long sessions first (the launcher ones), the first base's jobs before the next base's (which may still be
+    building), unit and lint last: the matrix does not end with one long session running alone."""
+    def job(name: str, python: str, weight: float = 1.0) -> scheduler.Job:
+        return scheduler.Job(name, python, lambda out: results.JobResult(name), weight)
+
+    jobs = [job("unit", "3.11", 0.5), job("lint", "3.11", 0.2), job("mcore-0.4.0", "3.11", 1.15),
+            job("mcore-0.5.0", "3.11"), job("mcore-0.17.0", "3.12", 1.15), job("mcore-0.17.1", "3.12"),
+            job("mcore-0.16.1", "3.11", 1.15)]
+    assert [j.name for j in scheduler.start_order(jobs)] == [
+        "mcore-0.4.0", "mcore-0.16.1", "mcore-0.5.0", "mcore-0.17.0", "mcore-0.17.1", "unit", "lint"]
+
+
 def test_scheduler_waits_for_bases_keeps_order_and_limits_parallelism(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     env = MatrixEnv(Layout(tmp_path), _Matrix([]))

@@ -421,13 +421,11 @@ def attempt(fn):
 """
 
 
-def _run_scenario(body: str) -> dict[str, object]:
-    """Run ``body`` (after the helpers above) in a fresh interpreter; it must set ``out`` (a JSON-able dict)."""
+def _run_code(code: str) -> dict[str, Any]:
+    """Run ``code`` in a fresh interpreter; it prints its result as ``RESULT=<json>``, which is returned."""
     import json
     import subprocess
-    import textwrap
 
-    code = _SCENARIO_LIB + textwrap.dedent(body) + "\nprint('RESULT=' + json.dumps(out))\n"
     import mcore_compat
 
     # The child must import the same mcore_compat (and megatron) as this process: its root first, then sys.path.
@@ -437,7 +435,15 @@ def _run_scenario(body: str) -> dict[str, object]:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")]
     assert lines, f"scenario failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULT=") :])
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT=") :])
+    return result
+
+
+def _run_scenario(body: str) -> dict[str, Any]:
+    """Run ``body`` (after the helpers above) in a fresh interpreter; it must set ``out`` (a JSON-able dict)."""
+    import textwrap
+
+    return _run_code(_SCENARIO_LIB + textwrap.dedent(body) + "\nprint('RESULT=' + json.dumps(out))\n")
 
 
 def _skip_unless_bug_exists(patch: str) -> None:
@@ -514,14 +520,27 @@ def test_fp8_noop_bug_and_fix() -> None:
     assert out["with"] == ["ok", [4, 4]]
 
 
-@pytest.mark.mcore
-def test_stale_embedding_ranks_bug_and_fix() -> None:
-    """destroy_model_parallel() must forget the embedding ranks; before 0.13 it does not (reproduced first)."""
-    _skip_unless_bug_exists("stale_embedding_ranks")
-    out = _run_scenario(
-        """
-        patches.apply_for("cpu")
-        world1()
+# The scenarios that start from the whole CPU set (``patches.apply_for("cpu")``) in a world of one rank share
+# ONE fresh interpreter (the module's ``cpu_world``): each body runs in its own function, in this order (the
+# stale-embedding one destroys the model-parallel state, so it comes last), and sets ``out``.
+_CPU_WORLD: dict[str, str] = {
+    "cpu_harness": """
+        model = ddp_linear(True)
+        out = {"step": attempt(lambda: train_step(model, optimizer(model, True))), "applied": applied}
+        """,
+    "rng_tracker": """
+        from megatron.core import tensor_parallel
+        tensor_parallel.model_parallel_cuda_manual_seed(123)
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        outside = torch.get_rng_state()
+        with tracker.fork():
+            a = torch.rand(4)
+        restored = torch.equal(torch.get_rng_state(), outside)
+        with tracker.fork():
+            b = torch.rand(4)
+        out = {"restored": restored, "advanced": not torch.equal(a, b)}
+        """,
+    "stale_embedding_ranks": """
         from megatron.core import parallel_state as ps
 
         def after_destroy():
@@ -537,47 +556,70 @@ def test_stale_embedding_ranks_bug_and_fix() -> None:
         out["with"] = after_destroy()
         patches.revert("stale_embedding_ranks")
         out["reverted"] = after_destroy()
-        """
-    )
+        """,
+}
+
+
+def _cpu_world_runs(name: str) -> bool:
+    """Whether the installed release runs the ``_CPU_WORLD`` scenario ``name`` (its test skips otherwise)."""
+    from mcore_compat.capabilities import has
+    from mcore_compat.detect import detect
+
+    version = detect().version
+    if name == "cpu_harness":
+        return has("core_optimizer", version)
+    if name == "stale_embedding_ranks":
+        return patches.get("stale_embedding_ranks").applies_to(version)
+    return True
+
+
+@pytest.fixture(scope="module")
+def cpu_world() -> dict[str, Any]:
+    """The ``_CPU_WORLD`` scenarios this release runs, in one fresh interpreter: ``{name: {"out": ...}}``, or
+    ``{name: {"error": traceback}}`` for a scenario that raised (the next ones still run)."""
+    import textwrap
+
+    code = [_SCENARIO_LIB, 'applied = patches.apply_for("cpu")\nworld1()\nresults = {}\n']
+    for name, body in _CPU_WORLD.items():
+        if not _cpu_world_runs(name):
+            continue
+        function = "def _scenario():\n" + textwrap.indent(textwrap.dedent(body).strip() + "\n", "    ") + "    return out\n"
+        code.append(f"{function}\ntry:\n    results[{name!r}] = {{'out': _scenario()}}\nexcept Exception:\n"
+                    f"    import traceback\n    results[{name!r}] = {{'error': traceback.format_exc()}}\n")
+    code.append("print('RESULT=' + json.dumps(results))\n")
+    return _run_code("".join(code))
+
+
+def _cpu_world_out(cpu_world: dict[str, Any], name: str) -> Any:
+    """Scenario ``name``'s ``out``; the test fails with its traceback if it raised."""
+    assert name in cpu_world, f"the cpu_world run did not include {name!r} (ran: {sorted(cpu_world)})"
+    if "error" in cpu_world[name]:
+        pytest.fail(f"scenario {name} raised:\n{cpu_world[name]['error']}")
+    return cpu_world[name]["out"]
+
+
+@pytest.mark.mcore
+def test_stale_embedding_ranks_bug_and_fix(cpu_world: dict[str, Any]) -> None:
+    """destroy_model_parallel() must forget the embedding ranks; before 0.13 it does not (reproduced first)."""
+    _skip_unless_bug_exists("stale_embedding_ranks")
+    out = _cpu_world_out(cpu_world, "stale_embedding_ranks")
     assert out["without"] == [True, "AssertionError"]  # the upstream bug: "in" a group that no longer exists
     assert out["with"] == [False, "AssertionError"]
     assert out["reverted"] == [True, "AssertionError"]
 
 
 @pytest.mark.mcore
-def test_cpu_harness_trains() -> None:
+def test_cpu_harness_trains(cpu_world: dict[str, Any]) -> None:
     """The whole CPU harness: DDP + DistributedOptimizer step moves every parameter (0.6+)."""
     _skip_unless_core_optimizer()
-    out = _run_scenario(
-        """
-        applied = patches.apply_for("cpu")
-        world1()
-        model = ddp_linear(True)
-        out = {"step": attempt(lambda: train_step(model, optimizer(model, True))), "applied": applied}
-        """
-    )
+    out = _cpu_world_out(cpu_world, "cpu_harness")
     assert out["step"] == ["ok", [4, 4]], out
 
 
 @pytest.mark.mcore
-def test_rng_tracker_forks_cpu_generator() -> None:
+def test_rng_tracker_forks_cpu_generator(cpu_world: dict[str, Any]) -> None:
     """With ``rng``, Megatron's CUDA RNG tracker really switches generator states (on the CPU generator)."""
-    out = _run_scenario(
-        """
-        patches.apply_for("cpu")
-        world1()
-        from megatron.core import tensor_parallel
-        tensor_parallel.model_parallel_cuda_manual_seed(123)
-        tracker = tensor_parallel.get_cuda_rng_tracker()
-        outside = torch.get_rng_state()
-        with tracker.fork():
-            a = torch.rand(4)
-        restored = torch.equal(torch.get_rng_state(), outside)
-        with tracker.fork():
-            b = torch.rand(4)
-        out = {"restored": restored, "advanced": not torch.equal(a, b)}
-        """
-    )
+    out = _cpu_world_out(cpu_world, "rng_tracker")
     assert out == {"restored": True, "advanced": True}
 
 

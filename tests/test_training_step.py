@@ -21,6 +21,7 @@ from typing import Any
 
 import _training_scenarios as SCENARIOS
 import pytest
+from conftest import case_results, run_scenarios
 from packaging.version import Version
 
 from mcore_compat._ranges import in_range
@@ -82,8 +83,7 @@ def test_configs_accept_mappings_and_foreign_dataclasses() -> None:
 
 @pytest.fixture(scope="module")
 def results(rank_group: Any) -> dict[str, Any]:
-    per_rank = rank_group.run(SCENARIOS.run_all, timeout=300)
-    return {"version": per_rank[0]["version"], "ranks": [r["cases"] for r in per_rank]}
+    return run_scenarios(rank_group, SCENARIOS.run_all, timeout=300)
 
 
 def _expected_unsupported(version: str) -> frozenset[str]:
@@ -92,14 +92,6 @@ def _expected_unsupported(version: str) -> frozenset[str]:
         if in_range(version, spec):
             out |= names
     return out
-
-
-def _get(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
-    per_rank = [r[name] for r in results["ranks"]]
-    for r in per_rank:
-        if r["status"] == "error":
-            pytest.fail(f"{name} on rank {r.get('rank', '?')} raised:\n{r['error']}")
-    return per_rank
 
 
 def _flat(params: dict[str, Any]) -> dict[str, list[float]]:
@@ -113,7 +105,7 @@ def _flat(params: dict[str, Any]) -> dict[str, list[float]]:
 @pytest.mark.parametrize("name", CASES)
 def test_step_matches_plain_pytorch(results: dict[str, Any], name: str) -> None:
     version = results["version"]
-    per_rank = _get(results, name)
+    per_rank = case_results(results, name)
     if name in _expected_unsupported(version):
         for r in per_rank:
             assert r["status"] == "unsupported", f"{name} should be refused on {version}: {r}"
@@ -142,7 +134,7 @@ def test_step_matches_plain_pytorch(results: dict[str, Any], name: str) -> None:
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", DP2_CASES)
 def test_dp_ranks_identical_after_step(results: dict[str, Any], name: str) -> None:
-    r0, r1 = _get(results, name)
+    r0, r1 = case_results(results, name)
     if name in _expected_unsupported(results["version"]):
         pytest.skip(f"release limit: megatron-core {results['version']} cannot run {name} (refused as unsupported; "
                     f"test_step_matches_plain_pytorch checks the refusal)")
@@ -156,7 +148,7 @@ def test_missing_finalize_hook_is_silently_wrong_with_raw_megatron(results: dict
     """Reproduces the silent failure: Megatron's own schedule with finalize_model_grads_func unset at DP=2 with
     different data per rank runs without error, but nothing is reduced over DP: the grad norm is each rank's local
     norm, the update differs from the reference and the DP replicas diverge."""
-    r0, r1 = _get(results, "dp2-nohook-fp32")
+    r0, r1 = case_results(results, "dp2-nohook-fp32")
     for r in (r0, r1):
         assert r["status"] == "ok" and r["finalize_hook_set"] is False
         assert math.isclose(r["main_grad_norm"], r["grad_norm"], rel_tol=1e-4)  # the optimizer saw local grads
@@ -167,7 +159,7 @@ def test_missing_finalize_hook_is_silently_wrong_with_raw_megatron(results: dict
 
 @pytest.mark.mcore
 def test_check_training_hooks_raises_when_finalize_missing(results: dict[str, Any]) -> None:
-    for r in _get(results, "dp2-nohook-fp32"):
+    for r in case_results(results, "dp2-nohook-fp32"):
         check_error, forward_backward_error = r["check_errors"]
         assert check_error is not None and "finalize_model_grads_func" in check_error
         assert forward_backward_error is not None and "install_training_hooks" in forward_backward_error
