@@ -13,6 +13,7 @@ from typing import Any
 import _offload_scenarios as SCENARIOS
 import pytest
 import torch
+from conftest import case_results, run_scenarios
 
 CYCLE_CASES = [n for n in SCENARIOS.CASE_NAMES if n.startswith("cycles-")]
 FAULT_CASES = [n for n in SCENARIOS.CASE_NAMES if n.startswith("fault-")]
@@ -20,16 +21,7 @@ FAULT_CASES = [n for n in SCENARIOS.CASE_NAMES if n.startswith("fault-")]
 
 @pytest.fixture(scope="module")
 def results(rank_group: Any) -> dict[str, Any]:
-    per_rank = rank_group.run(SCENARIOS.run_all, timeout=300)
-    return {"version": per_rank[0]["version"], "ranks": [r["cases"] for r in per_rank]}
-
-
-def _get(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
-    per_rank = [r[name] for r in results["ranks"]]
-    for rank, r in enumerate(per_rank):
-        if r["status"] == "error":
-            pytest.fail(f"{name} on rank {rank} ({results['version']}) raised:\n{r['error']}")
-    return per_rank
+    return run_scenarios(rank_group, SCENARIOS.run_all, timeout=300)
 
 
 def _has_param_buffer(version: str) -> bool:
@@ -43,7 +35,7 @@ def _has_param_buffer(version: str) -> bool:
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", CYCLE_CASES)
 def test_offload_frees_every_piece(results: dict[str, Any], name: str) -> None:
-    for r in _get(results, name):
+    for r in case_results(results, name):
         assert r["update_successful"]
         assert r["not_freed"] == [], r["not_freed"]
         # params (2 chunks x 4, one frozen) and module buffers (2 x 2), main_grads, Adam state: all looked at and freed
@@ -63,7 +55,7 @@ def _has_expert_buffers(version: str) -> bool:
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", CYCLE_CASES)
 def test_reload_restores_in_place(results: dict[str, Any], name: str) -> None:
-    for r in _get(results, name):
+    for r in case_results(results, name):
         assert r["changed_by_cycle"] == [], r["changed_by_cycle"]  # params, grads, optimizer state bit for bit
         assert r["alias_problems"] == [], r["alias_problems"]  # same storages, main_grad in DDP's buffers
         assert r["verify_error"] is None, r["verify_error"]  # the binding holds without re-binding
@@ -72,7 +64,7 @@ def test_reload_restores_in_place(results: dict[str, Any], name: str) -> None:
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", CYCLE_CASES)
 def test_cycles_bit_identical_to_twin(results: dict[str, Any], name: str) -> None:
-    for r in _get(results, name):
+    for r in case_results(results, name):
         assert r["update_successful_cycles"]
         assert r["twin_differences"] == [], r["twin_differences"]
         assert r["twin_differences_after"] == [], r["twin_differences_after"]
@@ -85,7 +77,7 @@ def test_cycles_bit_identical_to_twin(results: dict[str, Any], name: str) -> Non
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", CYCLE_CASES)
 def test_partial_offload_keeps_params(results: dict[str, Any], name: str) -> None:
-    for r in _get(results, name):
+    for r in case_results(results, name):
         assert len(r["partial"]) == SCENARIOS.CYCLES // 2
         assert all(p["params_resident"] and p["rest_freed"] for p in r["partial"]), r["partial"]
 
@@ -93,7 +85,7 @@ def test_partial_offload_keeps_params(results: dict[str, Any], name: str) -> Non
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", CYCLE_CASES)
 def test_host_buffers_reused(results: dict[str, Any], name: str) -> None:
-    for r in _get(results, name):
+    for r in case_results(results, name):
         assert r["host_buffers"] > 0
         assert r["host_ptrs_stable"]  # the same host buffers (data_ptr) in every cycle
         assert r["host_allocations"] == 1  # each allocated once
@@ -106,7 +98,7 @@ def test_recreating_reload_is_caught(results: dict[str, Any], name: str) -> None
     """A reload that puts the params' bytes into new storage and rebinds ``param.data`` fails the aliasing check
     (and, where DDP's param buffer holds the params, the binding's verify and the twin comparison: the optimizer
     updates the buffer, which the params no longer alias)."""
-    for r in _get(results, name):
+    for r in case_results(results, name):
         assert r["alias_problems"], "storage re-created on reload went unnoticed"
         if name.endswith("distopt"):
             assert r["verify_error"] is not None
