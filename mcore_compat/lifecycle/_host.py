@@ -127,9 +127,10 @@ def release_host_buffers() -> int:
     Returns:
         The number of bytes released.
     """
+    live = slots()  # first: the slots of storages that are gone drop their buffers into the spares, freed next
     freed = sum(h.numel() for spares in _SPARE.values() for h in spares)
     _SPARE.clear()
-    for slot in slots():
+    for slot in live:
         if not slot.offloaded and slot.host is not None:
             freed += slot.host.numel()
             slot.host = None
