@@ -148,7 +148,7 @@ class OffloadCycles:
                 return
             pieces = _ALL if self.done % 2 == 0 else _KEEP_PARAMS
             try:
-                with _injected(self.fault):
+                with _Injected(self.fault):
                     self._cycle(pieces)
             except lifecycle.OffloadError as exc:
                 self._refused = str(exc).splitlines()[0]
@@ -252,7 +252,7 @@ def _check(name: str, failures: list[str], detail: str) -> Check:
     return Check(name, True, detail)
 
 
-class _injected:
+class _Injected:
     """The offload faults of the self-check, acting inside the offload code where a real bug would act."""
 
     def __init__(self, fault: str | None) -> None:
