@@ -60,15 +60,11 @@ def _megatron_path(chunks: list[Any], optimizer: Any) -> tuple[Any, Any] | None:
 
 def _pageable_path(chunks: list[Any], optimizer: Any) -> tuple[Any, Any]:
     """(offload, reload) that allocate pageable host copies every cycle (the same storages as mcore_compat's)."""
-    import torch
-
     from mcore_compat.lifecycle._collect import PIECES, collect
+    from mcore_compat.lifecycle._storage import _bytes as as_bytes
 
     storages = [g.tensors[0].untyped_storage() for g in collect(chunks, optimizer, PIECES)]
     saved: list[tuple[Any, Any]] = []
-
-    def as_bytes(storage: Any) -> Any:
-        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
     def off() -> None:
         saved[:] = [(st, as_bytes(st).to("cpu", copy=True)) for st in storages]

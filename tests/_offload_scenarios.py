@@ -196,11 +196,10 @@ def _host_ptrs() -> dict[str, Any]:
     """The host buffers in use: their addresses (sorted: a storage re-created every step - a main param's
     ``.grad`` - gets a new key but the spare buffer of the one it replaced), each slot's allocation count, and the
     process's allocation count."""
-    from mcore_compat.lifecycle._host import _SPARE, allocations, slots
+    from mcore_compat.lifecycle._host import allocations, buffers, slots
 
     live = [s for s in slots() if s.host is not None]
-    spare = [h for hs in _SPARE.values() for h in hs]
-    return {"ptrs": sorted([s.host.data_ptr() for s in live] + [h.data_ptr() for h in spare]),
+    return {"ptrs": sorted(h.data_ptr() for h in buffers()),
             "per_slot": [s.allocations for s in live], "allocations": allocations(), "buffers": len(live)}
 
 
@@ -270,21 +269,9 @@ def case_fault(bf16: bool, distopt: bool) -> dict[str, Any]:
     """A reload that gives the params new storage (the host bytes copied into new memory, ``param.data`` rebound:
     what hand-written offload code does) instead of refilling theirs; the buffers are refilled, so training runs.
     The checks of ``case_cycles`` must catch it."""
-    import torch
-
     import mcore_compat as mc
     from mcore_compat.binding import bind_params
-    from mcore_compat.lifecycle import _storage
-
-    refill = _storage.refill
-
-    def recreate(slot: Any, tensors: Any) -> int:
-        n = refill(slot, tensors)
-        fresh = slot.host.clone().untyped_storage()
-        for t in tensors:
-            if isinstance(t, torch.nn.Parameter):
-                t.data = torch.empty(0, dtype=t.dtype).set_(fresh, t.storage_offset(), t.shape, t.stride())
-        return n
+    from mcore_compat.selfcheck.offload_cycle import _Injected  # the self-check's injector of the same fault
 
     _init_parallel()
     run, twin = _build(bf16, distopt), _build(bf16, distopt)
@@ -292,12 +279,9 @@ def case_fault(bf16: bool, distopt: bool) -> dict[str, Any]:
     binding = bind_params(chunks)
     _step(*run, seed=0), _step(*twin, seed=0)
     keys = _storage_keys(chunks, opt)
-    _storage.refill = recreate
-    try:
+    with _Injected("reload_recreates_storage"):
         mc.offload(chunks, opt)
         mc.reload(chunks, opt)
-    finally:
-        _storage.refill = refill
     out: dict[str, Any] = {"status": "ok", "alias_problems": _aliasing(chunks, opt, keys),
                            "verify_error": _verify_error(binding)}
     for seed in range(1, 4):
