@@ -68,7 +68,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--offload-cycles", type=int, default=None, metavar="N",
                    help="offload/reload cycles (mcore_compat.offload/reload) between the steps, each proved: "
                         "device memory freed, everything back on its own storage bit for bit, host buffers "
-                        "reused, and a verified step after it (default: 0; 2 with --sweep: a full cycle and one that keeps the params)")
+                        "reused, and a verified step after it (default: 0; 2 with --sweep: a full cycle and one "
+                        "that keeps the params)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--fault", choices=sorted(FAULTS), default=None,
                    help="inject a known fault to see the check that catches it FAIL (a negative control)")

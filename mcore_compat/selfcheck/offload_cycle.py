@@ -4,7 +4,8 @@ through :func:`mcore_compat.offload` / :func:`mcore_compat.reload`, proved from 
 Each cycle offloads params, grads and optimizer state (even cycles) or grads and optimizer state only (odd
 cycles: the params stay for a weight hand-off), then reloads them. The tensors are found here independently of
 the offload code (every param and module buffer of every chunk, DDP's buffers, each ``main_grad``, the
-optimizer's main params, their ``.grad`` and their state, read through :func:`~.optimizer_view.optimizer_view`), and three checks come out:
+optimizer's main params, their ``.grad`` and their state, read through :func:`~.optimizer_view.optimizer_view`),
+and three checks come out:
 
 * ``offload_frees_memory``: after ``offload`` every storage of an offloaded piece is 0 bytes and every kept one
   is untouched; on CUDA, ``torch.cuda.memory_allocated()`` dropped by at least their bytes;
@@ -237,8 +238,8 @@ class OffloadCycles:
                    f"{self.done} cycle(s): every storage of the offloaded pieces at 0 bytes ({pieces}), the kept "
                    f"pieces untouched{cuda}"),
             _check("reload_in_place", f.in_place,
-                   f"{f.tensors} tensors after {self.done} reload(s): on their own storages at their offsets, "
-                   f"bit-identical to before the offload"),
+                   f"{f.tensors} tensor checks over {self.done} reload(s): each tensor on its own storage at its "
+                   f"offset, bit-identical to before the offload"),
             _check("offload_host_memory_bounded", f.host,
                    f"host buffers {f.host_bytes} B = {f.host_bytes / max(f.offloaded_bytes, 1):.2f}x the "
                    f"{f.offloaded_bytes} B offloaded at once{reuse}"),
