@@ -103,6 +103,15 @@ def _git_commit() -> str | None:
     return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
+def _install_kind(path: Any) -> str:
+    """How megatron-core was installed, without the machine's path: ``site-packages`` or an unpacked tree on
+    ``sys.path`` (``PYTHONPATH``)."""
+    if not path:
+        return ""
+    parts = Path(str(path)).parts
+    return "site-packages" if {"site-packages", "dist-packages"} & set(parts) else "unpacked tree on sys.path"
+
+
 def environment(device: str) -> dict[str, Any]:
     """Python, torch, CUDA, NCCL, megatron-core and mcore_compat versions, device name, date, host facts."""
     import torch
@@ -117,7 +126,7 @@ def environment(device: str) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "megatron_core": str(info.version),
         "megatron_core_source": str(getattr(info, "source", "")),
-        "megatron_core_path": str(getattr(info, "path", "")),
+        "megatron_core_install": _install_kind(getattr(info, "path", None)),
         "mcore_compat": mcore_compat.__version__,
         "mcore_compat_commit": _git_commit(),
         "device": device,
