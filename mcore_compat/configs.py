@@ -19,76 +19,25 @@ wheels by ``scripts/gen_config_fields.py``):
   kernels, overlap, offloading, CUDA graphs, logging), and refused with
   :class:`~mcore_compat.errors.UnsupportedVersionError` otherwise;
 * a name that no release has raises :class:`~mcore_compat.errors.InvalidArgumentError` naming close matches.
+
+The translation itself (:func:`translate_fields`, re-exported here) lives in ``mcore_compat/_config_translate.py``,
+below ``mcore_compat/training/``, which uses it too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping
 from typing import Any
 
 from packaging.version import Version
 
-from ._config_effects import harmless_if_missing
-from ._config_names import close_matches, default_near, existence_text, family, fields_in, is_known
-from .errors import InvalidArgumentError
+from ._config_translate import translate_fields
 
 __all__ = ["ddp_config", "optimizer_config", "transformer_config", "translate_fields"]
 
 _TRANSFORMER = "TransformerConfig"
 _DDP = "DistributedDataParallelConfig"
 _OPTIMIZER = "OptimizerConfig"
-
-
-def translate_fields(cls: str, fields: Mapping[str, Any], version: Version,
-                     present: Collection[str] | None = None) -> dict[str, Any]:
-    """The keyword arguments for the installed ``cls`` from ``fields`` named as in any release.
-
-    Args:
-        cls: the config class (``"TransformerConfig"``, ``"DistributedDataParallelConfig"``,
-            ``"OptimizerConfig"``).
-        fields: field names (of any release, old or new name of a renamed field) to values.
-        version: the installed release (for messages, defaults and, without ``present``, the fields).
-        present: the fields the installed class really has (``dataclasses.fields``); default: what the generated
-            data says for ``version``. A name the data does not know but ``present`` has is passed on.
-
-    Returns:
-        ``{installed name: value}`` for the fields the release has.
-
-    Raises:
-        InvalidArgumentError: a name no release has, or two names of one renamed field with different values.
-        UnsupportedVersionError: a field the release lacks, set to a value that is not its default, whose absence
-            would change results.
-    """
-    from .training._common import drop_or_raise
-
-    have = fields_in(cls, version) if present is None else frozenset(present)
-    given: dict[str, tuple[str, Any]] = {}  # newest name of the field -> (name given, value)
-    for name, value in fields.items():
-        if not is_known(cls, name) and name not in have:
-            hint = close_matches(cls, name)
-            raise InvalidArgumentError(
-                f"{cls} has no field {name!r} in any megatron-core release"
-                + (f"; did you mean {' or '.join(map(repr, hint))}?" if hint else ""))
-        names = family(cls, name)
-        if names[-1] in given:
-            first, other = given[names[-1]]
-            if other is not value and other != value:
-                raise InvalidArgumentError(
-                    f"`{first}={other!r}` and `{name}={value!r}` set the same {cls} field (renamed: "
-                    f"{' -> '.join(names)}) to different values; pass one of them")
-        given[names[-1]] = (name, value)
-    out: dict[str, Any] = {}
-    for newest, (name, value) in given.items():
-        names = family(cls, newest)
-        here = [n for n in names if n in have]
-        if here:
-            out[here[-1]] = value
-            continue
-        drop_or_raise(name, value, default_near(cls, names, version), version,
-                      harmful=not any(harmless_if_missing(cls, n) for n in names),
-                      why=existence_text(cls, names))
-    return out
 
 
 def _installed(cls: str) -> Any:

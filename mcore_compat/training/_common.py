@@ -10,7 +10,6 @@ from typing import Any
 from packaging.version import Version
 
 from ..errors import InvalidTypeError
-from ..rank0 import warn_once_rank_0
 
 
 def installed_version() -> Version:
@@ -78,24 +77,6 @@ def default_expert_dp_group() -> Any:
             except Exception:  # not initialised (no expert parallelism configured)
                 return None
     return None
-
-
-def drop_or_raise(name: str, value: Any, default: Any, version: Version, *, harmful: bool, why: str) -> None:
-    """Handle an argument the installed release cannot take.
-
-    ``value == default`` is dropped silently; otherwise a warning (once, rank 0) when ignoring it does not change
-    results, or :class:`~mcore_compat.errors.UnsupportedVersionError` when it would.
-    """
-    if value is default or value == default:
-        return
-    from ..errors import UnsupportedVersionError
-
-    if harmful:
-        raise UnsupportedVersionError(
-            f"`{name}={value!r}` cannot be honoured by megatron-core {version}: {why}. Ignoring it would change "
-            f"the results; remove it or use a release that supports it."
-        )
-    warn_once_rank_0(f"mcore_compat: `{name}={value!r}` has no effect on megatron-core {version} ({why}); ignored.")
 
 
 def unique(seq: Sequence[Any]) -> list[Any]:

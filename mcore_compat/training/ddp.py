@@ -18,6 +18,7 @@ from typing import Any
 from packaging.version import Version
 
 from .._config_effects import harmless_if_missing
+from .._config_translate import drop_or_raise
 from .._fact_table import DDP_SETTINGS
 from ..capabilities import fact, fact_row, has
 from ..errors import InvalidArgumentError, UnsupportedVersionError
@@ -26,7 +27,6 @@ from ._common import (
     config_items,
     default_dp_group,
     default_expert_dp_group,
-    drop_or_raise,
     installed_version,
     mcore,
     model_config,

@@ -22,6 +22,7 @@ from packaging.version import Version
 
 from .._config_effects import harmless_if_missing
 from .._config_names import existence_text
+from .._config_translate import drop_or_raise, translate_fields
 from ..capabilities import fact, has
 from ..errors import InvalidArgumentError, UnsupportedVersionError
 from ..rank0 import warn_once_rank_0
@@ -29,7 +30,6 @@ from ._common import (
     as_chunk_list,
     config_items,
     default_dp_group,
-    drop_or_raise,
     group_ranks,
     installed_version,
     mcore,
@@ -449,8 +449,6 @@ def check_legacy_settings(config: Any, version: Version) -> OptimConfig:
         UnsupportedVersionError: a setting it cannot honour would change results.
         InvalidArgumentError: an ``extra`` field that no release's ``OptimizerConfig`` has.
     """
-    from ..configs import translate_fields
-
     cfg = OptimConfig.from_any(config)
     defaults = OptimConfig()
     unread = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(OptimConfig)
