@@ -129,7 +129,7 @@ def optimizer_config(**fields: Any) -> Any:
         InvalidArgumentError: a field no release has, or two names of one renamed field with different values.
         UnsupportedVersionError: a field the release lacks, with a non-default value that would change results.
     """
-    from .training.optimizer import OptimConfig, check_legacy_settings, optimizer_config_of
+    from .training.optim_config import OptimConfig, check_legacy_settings, optimizer_config_of
 
     version = _version()
     cls = _installed(_OPTIMIZER)

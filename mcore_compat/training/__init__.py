@@ -27,13 +27,9 @@ from .finalize import (
     finalize_model_grads,
     install_training_hooks,
 )
-from .optimizer import (
-    OptimConfig,
-    get_megatron_optimizer,
-    optimizer_config_of,
-    optimizer_step,
-    set_lr_and_weight_decay,
-)
+from .optim_build import get_megatron_optimizer
+from .optim_config import OptimConfig, optimizer_config_of
+from .optim_step import optimizer_step, set_lr_and_weight_decay
 from .param_groups import effective_lr_and_weight_decay
 from .param_sync import finish_param_sync
 from .scheduler import ParamScheduler, optimizer_param_scheduler

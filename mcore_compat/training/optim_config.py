@@ -1,0 +1,140 @@
+"""The optimizer's settings: :class:`OptimConfig`, and what the installed release builds from them.
+
+:func:`optimizer_config_of` translates an :class:`OptimConfig` (or a mapping, or Megatron's config) into the
+installed release's ``OptimizerConfig`` (0.6+); :func:`check_legacy_settings` checks one against what
+mcore_compat's optimizer for 0.4/0.5 implements (:data:`_LEGACY_SETTINGS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from packaging.version import Version
+
+from .._config_effects import harmless_if_missing
+from .._config_names import existence_text
+from .._config_translate import drop_or_raise, translate_fields
+from ..errors import UnsupportedVersionError
+from ._common import config_items, installed_version, mcore
+
+__all__ = ["OptimConfig", "check_legacy_settings", "optimizer_config_of"]
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer settings with the field names of Megatron's ``OptimizerConfig`` (0.6 baseline + later fields).
+
+    Translated to the installed ``OptimizerConfig`` by :func:`optimizer_config_of`: fields the release lacks are
+    dropped when at their default, warned about when they cannot change a step's result, refused otherwise.
+    ``params_dtype`` defaults to ``torch.float32`` (``None`` here so that importing needs no torch).
+    ``extra`` holds any other field of the installed ``OptimizerConfig`` (passed through; unknown ones raise).
+    """
+
+    optimizer: str = "adam"
+    lr: float | None = None
+    min_lr: float | None = None
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
+    weight_decay: float = 0.01
+    fp16: bool = False
+    bf16: bool = False
+    params_dtype: Any = None
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-08
+    sgd_momentum: float = 0.9
+    use_distributed_optimizer: bool = False
+    clip_grad: float = 1.0
+    log_num_zeros_in_grad: bool = False
+    barrier_with_L1_time: bool = False
+    decoupled_weight_decay: bool = True
+    overlap_param_gather_with_optimizer_step: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_any(cls, value: Any) -> OptimConfig:
+        """An :class:`OptimConfig` from an ``OptimConfig``, a mapping, or any dataclass (Megatron's config)."""
+        if isinstance(value, OptimConfig):
+            return dataclasses.replace(value, extra=dict(value.extra))
+        items, defaults = config_items(value, "an optimizer config; pass an mcore_compat OptimConfig, a dict, "
+                                              "or Megatron's OptimizerConfig")
+        own = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        extra = dict(items.pop("extra", {}) or {})
+        extra.update({k: v for k, v in items.items()
+                      if k not in own and (k not in defaults or defaults[k] != v)})
+        # Megatron-internal bookkeeping fields (timers, set in __post_init__ ...) are not settings.
+        extra.pop("timers", None)
+        return cls(**{k: v for k, v in items.items() if k in own}, extra=extra)
+
+
+def _megatron_optimizer_config_class() -> Any:
+    return mcore("optimizer.optimizer_config").OptimizerConfig
+
+
+def optimizer_config_of(config: Any, version: Version | None = None) -> Any:
+    """The installed release's ``OptimizerConfig`` for ``config`` (0.6+).
+
+    An instance of the installed class is returned unchanged.
+    """
+    version = version or installed_version()
+    cls = _megatron_optimizer_config_class()
+    if isinstance(config, cls):
+        return config
+    cfg = OptimConfig.from_any(config)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    defaults = OptimConfig()
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(OptimConfig):
+        if f.name == "extra":
+            continue
+        value = getattr(cfg, f.name)
+        if f.name == "params_dtype" and value is None:
+            continue
+        if f.name in names:
+            kwargs[f.name] = value
+        else:
+            drop_or_raise(f.name, value, getattr(defaults, f.name), version,
+                          harmful=not harmless_if_missing("OptimizerConfig", f.name),
+                          why=existence_text("OptimizerConfig", (f.name,)))
+    unknown = sorted(set(cfg.extra) - names)
+    if unknown:
+        raise UnsupportedVersionError(
+            f"OptimizerConfig of megatron-core {version} has no field(s) {unknown}; remove them from "
+            f"OptimConfig.extra")
+    kwargs.update(cfg.extra)
+    return cls(**kwargs)
+
+
+#: The OptimConfig settings mcore_compat's optimizer for 0.4/0.5 (``mcore_compat/legacy_optimizer.py``) implements
+#: (``params_dtype`` is the model's: it optimizes the params as they are). Another setting, or an ``extra`` field, is
+#: a field that optimizer lacks: dropped at its default, warned about when harmless, refused otherwise.
+_LEGACY_SETTINGS = frozenset({
+    "optimizer", "lr", "min_lr", "weight_decay", "fp16", "bf16", "params_dtype", "loss_scale", "initial_loss_scale",
+    "min_loss_scale", "loss_scale_window", "hysteresis", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum",
+    "use_distributed_optimizer", "clip_grad", "log_num_zeros_in_grad", "decoupled_lr", "decoupled_min_lr",
+})
+
+
+def check_legacy_settings(config: Any, version: Version) -> OptimConfig:
+    """``config`` as an :class:`OptimConfig` for mcore_compat's optimizer of 0.4/0.5, after refusing what it cannot
+    honour (a non-default setting outside :data:`_LEGACY_SETTINGS` whose absence would change results, e.g.
+    ``decoupled_weight_decay=False``) and warning about what it ignores harmlessly.
+
+    Raises:
+        UnsupportedVersionError: a setting it cannot honour would change results.
+        InvalidArgumentError: an ``extra`` field that no release's ``OptimizerConfig`` has.
+    """
+    cfg = OptimConfig.from_any(config)
+    defaults = OptimConfig()
+    unread = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(OptimConfig)
+              if f.name != "extra" and f.name not in _LEGACY_SETTINGS
+              and getattr(cfg, f.name) != getattr(defaults, f.name)}
+    translate_fields("OptimizerConfig", {**unread, **cfg.extra}, version, present=frozenset())
+    return cfg
