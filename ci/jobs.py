@@ -51,8 +51,8 @@ def run_pytest(env: MatrixEnv, python: str, release: Release | None, marker: str
                extra: Sequence[str]) -> None:
     """Run pytest on :data:`TEST_PATHS` with ``-m marker``; its counts, faults score and verdict go to ``result``.
 
-    The JUnit file, and the fault-injection score (``MCORE_COMPAT_FAULT_REPORT``), go to
-    ``.cache/logs/<result.name>.*``. Exit status 5 (no test collected) fails the job.
+    The JUnit file, the fault-injection score (``MCORE_COMPAT_FAULT_REPORT``) and where the session's time went
+    (``MCORE_COMPAT_TIMING_REPORT``, into ``result.timing["inside_pytest"]``) go to ``.cache/logs/<result.name>.*``. Exit status 5 (no test collected) fails the job.
 
     Args:
         env: the environments.
@@ -69,11 +69,18 @@ def run_pytest(env: MatrixEnv, python: str, release: Release | None, marker: str
     junit.unlink(missing_ok=True)
     faults = logs / f"{result.name}.faults.json"
     faults.unlink(missing_ok=True)
+    timing = logs / f"{result.name}.timing.json"
+    timing.unlink(missing_ok=True)
     argv: list[str | Path] = [env.layout.base_python(python), "-P", "-m", "pytest", *TEST_PATHS, "-m", marker, "-p",
             "no:cacheprovider", f"--junitxml={junit}", *extra]
     run_env = env.session_env(python, release)
     run_env["MCORE_COMPAT_FAULT_REPORT"] = str(faults)  # the fault-injection suite writes its score there
+    run_env["MCORE_COMPAT_TIMING_REPORT"] = str(timing)  # tests/conftest.py: where the session's time went
+    start = time.monotonic()
     code = out.run(argv, env=run_env, check=False, cwd=env.layout.repo)
+    result.timing["pytest"] = time.monotonic() - start
+    if timing.is_file():
+        result.timing["inside_pytest"] = json.loads(timing.read_text(encoding="utf-8"))
     result.ran_pytest = True
     junit_counts(junit, result)
     if faults.is_file():
@@ -95,8 +102,10 @@ def run_selfcheck(env: MatrixEnv, release: Release, out: Out, result: JobResult)
     path = env.layout.logs / f"{release.session}.selfcheck.json"
     path.unlink(missing_ok=True)
     out.say("mcore-compat " + " ".join(SELFCHECK_ARGS))
+    start = time.monotonic()
     code = out.run([env.layout.base_python(release.python), "-P", "-m", "mcore_compat", *SELFCHECK_ARGS, "--json",
                     path], env=env.session_env(release.python, release), check=False, cwd=env.layout.repo)
+    result.timing["selfcheck"] = time.monotonic() - start
     reports = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
     configs = [{**{k: r["settings"].get(k) for k in _SELFCHECK_KEYS}, "summary": r["summary"]} for r in reports]
     good = sum(bool(r["ok"]) for r in reports)
@@ -116,16 +125,20 @@ def run_release(env: MatrixEnv, release: Release, out: Out, extra: Sequence[str]
 
     def body(result: JobResult) -> None:
         python = release.python
+        start = time.monotonic()
         env.ensure_base(python, out)
         env.check_limits(release, out)
         mc = env.ensure_mc(release, out)
         mcc = env.ensure_mcc(python, out)
+        result.timing["prepare"] = time.monotonic() - start
         env.layout.logs.mkdir(parents=True, exist_ok=True)
         report_path = env.layout.logs / f"{release.session}.startup.json"
         report_path.unlink(missing_ok=True)
         out.say(f"start-up check of megatron-core {release.version} on Python {python}")
+        start = time.monotonic()
         code = out.run([env.layout.base_python(python), "-P", _STARTUP_CHECK, str(release.version), mc, mcc,
                         report_path], env=env.session_env(python, release), check=False, cwd=env.layout.repo)
+        result.timing["startup"] = time.monotonic() - start
         if code != 0:
             raise JobError(f"start-up check failed (exit status {code}); see its output above")
         result.report = json.loads(report_path.read_text(encoding="utf-8"))

@@ -27,6 +27,8 @@ class JobResult:
         ran_pytest: pytest ran (a later failure does not add an error).
         selfcheck: the self-check's summary (a release job).
         faults: the fault-injection score the suite wrote (``caught``/``faults``/``clean_pass``/``clean``).
+        timing: seconds per phase (``prepare``, ``startup``, ``pytest``, ``selfcheck``) and what the suite
+            measured inside pytest (``inside_pytest``: see tests/conftest.py); :func:`timing_line` renders it.
     """
 
     name: str
@@ -42,6 +44,7 @@ class JobResult:
     ran_pytest: bool = False
     selfcheck: dict[str, Any] = field(default_factory=dict)
     faults: dict[str, Any] = field(default_factory=dict)
+    timing: dict[str, Any] = field(default_factory=dict)
 
 
 def junit_counts(path: Path, result: JobResult) -> None:
@@ -115,4 +118,46 @@ def cpu_record(install: str, result: JobResult) -> dict[str, Any]:
         "details": result.details,
         "self_check": result.selfcheck or None,
         "fault_detection": result.faults or None,
+        "timing": timing_record(result) or None,
     }
+
+
+#: The header of :func:`timing_line`'s table (one line per session, printed at the end of every matrix run).
+TIMING_HEADER = (f"{'session':<14} {'total':>6} {'prep':>5} {'start':>5} {'pytest':>6} {'coll':>5} "
+                 f"{'rank starts: n, s (import s)':<30} {'subproc: n, s':<14} {'self-check':>10}  slowest test module")
+
+
+def timing_record(result: JobResult) -> dict[str, Any]:
+    """The compact form of ``result.timing`` recorded in ``matrix/results.json`` (seconds, rounded)."""
+    t = result.timing
+    inside = t.get("inside_pytest") or {}
+    starts = inside.get("rank_starts") or []
+    rec: dict[str, Any] = {k: round(t[k], 1) for k in ("prepare", "startup", "pytest", "selfcheck") if k in t}
+    if inside:
+        rec["collect"] = round(inside.get("collect") or 0.0, 1)
+        rec["rank_starts"] = [{"nprocs": s["nprocs"], "method": s["method"], "seconds": round(s["seconds"], 1),
+                               "import_seconds": round(s["import_seconds"], 1)} for s in starts]
+        rec["subprocesses"] = {"count": inside["subprocesses"]["count"],
+                               "seconds": round(inside["subprocesses"]["seconds"], 1)}
+        rec["slowest_modules"] = {m: round(v, 1) for m, v in list(inside.get("modules", {}).items())[:3]}
+    return rec
+
+
+def timing_line(result: JobResult) -> str:
+    """One line of the matrix's time table: total, prepare, start-up check, pytest (its collection, rank starts,
+    subprocesses), the CLI self-check and the slowest test module (seconds)."""
+    rec = timing_record(result)
+
+    def num(key: str, width: int) -> str:
+        return f"{rec[key]:>{width}.1f}" if key in rec else f"{'-':>{width}}"
+
+    starts = rec.get("rank_starts", [])
+    start_text = (f"{len(starts)}: " + "+".join(f"{s['nprocs']}{'f' if s['method'] == 'forkserver' else 's'}"
+                                               f" {s['seconds']:.1f}({s['import_seconds']:.1f})" for s in starts)
+                  if starts else "-")
+    sub = rec.get("subprocesses")
+    sub_text = f"{sub['count']}: {sub['seconds']:.1f}" if sub else "-"
+    slow = next(iter(rec.get("slowest_modules", {}).items()), None)
+    slow_text = f"{slow[0].rsplit('/', 1)[-1]} {slow[1]:.1f}" if slow else ""
+    return (f"{result.name:<14} {result.seconds:>6.1f} {num('prepare', 5)} {num('startup', 5)} {num('pytest', 6)} "
+            f"{num('collect', 5)} {start_text:<30} {sub_text:<14} {num('selfcheck', 10)}  {slow_text}")

@@ -17,7 +17,7 @@ from pathlib import Path
 from ci.jobs import LAUNCHER_TAG, run_lint, run_release, run_unit
 from ci.matrix_env import MatrixEnv, pytag
 from ci.output import JobError, Out, console
-from ci.results import JobResult, counts_text, cpu_record, summary_line, tail
+from ci.results import TIMING_HEADER, JobResult, counts_text, cpu_record, summary_line, tail, timing_line
 
 #: A job body: given its output, it returns its result.
 Body = Callable[[Out], JobResult]
@@ -148,7 +148,12 @@ def report(results: Sequence[JobResult], started: float, summary_file: Path) -> 
     """
     failed = [r for r in results if not r.ok]
     console("")
-    console("session timings: " + ", ".join(f"{r.name} {r.seconds:.0f}s" for r in results))
+    console("where each session's time went (seconds; rank starts: ranks, s = spawned / f = forked from the warm "
+            "server, wall (of which importing torch)):")
+    console(TIMING_HEADER)
+    for r in results:
+        console(timing_line(r))
+    console(f"sessions added up: {sum(r.seconds for r in results):.0f}s")
     if failed:
         console(f"FAILED sessions ({len(failed)}): " + ", ".join(r.name for r in failed))
         for r in failed:

@@ -12,6 +12,14 @@ The ranks are fresh Python processes (multiprocessing's ``spawn`` start method),
 script again: a script must start ranks only under ``if __name__ == "__main__":``. A script that does not is
 told so in one message (:class:`RankFailure`), instead of multiprocessing's bootstrap error.
 
+A :class:`Group` made with ``warm=("module", ...)`` forks its ranks instead, from a fork server that imported those
+modules once (multiprocessing's ``forkserver`` with a preload list): a test suite that starts ranks many times pays
+the import of torch and Megatron once per process, not once per rank. CPU only (a process that touched CUDA
+cannot be forked); the plain ``spawn`` path stays the default, and :func:`spawn` and the self-check use it.
+
+Every start of ranks is recorded (:func:`start_log`): how many, how, how long, and how much of it the ranks spent
+importing torch.
+
 Under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) use :func:`init_from_env` instead.
 """
 
@@ -38,8 +46,8 @@ from typing import Any, TypeVar
 
 from .errors import InvalidArgumentError, McoreCompatError
 
-__all__ = ["Group", "RankFailure", "RankTimeout", "check_not_bootstrapping", "default_backend",
-           "destroy_process_groups_since", "free_port", "init_from_env", "process_groups", "spawn"]
+__all__ = ["Group", "RankFailure", "RankTimeout", "StartRecord", "check_not_bootstrapping", "default_backend",
+           "destroy_process_groups_since", "free_port", "init_from_env", "process_groups", "spawn", "start_log"]
 
 T = TypeVar("T")
 
@@ -155,6 +163,52 @@ class _Setup:
     stack_dir: str | None = None
 
 
+@dataclass(frozen=True)
+class StartRecord:
+    """One start of a group's ranks (:func:`start_log`).
+
+    Attributes:
+        nprocs: ranks started.
+        method: ``"spawn"`` (fresh interpreters) or ``"forkserver"`` (forked from a warm server).
+        seconds: from the first process start until every rank had joined the process group and run ``init``.
+        import_seconds: the longest time a rank spent importing torch and ``torch.distributed`` (near 0 for a
+            forked rank, which has them already).
+        init_seconds: the longest time a rank spent in the group's ``init`` function (0 without one).
+    """
+
+    nprocs: int
+    method: str
+    seconds: float
+    import_seconds: float
+    init_seconds: float
+
+
+_STARTS: list[StartRecord] = []
+
+
+def start_log() -> list[StartRecord]:
+    """Every start of ranks by a :class:`Group` (or :func:`spawn`) of this process, oldest first."""
+    return list(_STARTS)
+
+
+#: The modules the fork server of this process preloads (``None``: not started by a warm group yet).
+_FORK_SERVER_MODULES: tuple[str, ...] | None = None
+
+
+def _fork_server_context(modules: tuple[str, ...]) -> Any:
+    """multiprocessing's ``forkserver`` context, its server preloading ``modules`` (one server per process)."""
+    global _FORK_SERVER_MODULES
+    ctx = mp.get_context("forkserver")
+    if _FORK_SERVER_MODULES is None:
+        ctx.set_forkserver_preload(list(modules))
+        _FORK_SERVER_MODULES = modules
+    elif _FORK_SERVER_MODULES != modules:
+        raise InvalidArgumentError(
+            f"this process already has a fork server warmed with {list(_FORK_SERVER_MODULES)}; a Group asks for "
+            f"{list(modules)} (one fork server per process: give every warm Group the same modules)")
+    return ctx
+
+
 def _flush_and_exit(results: Any, code: int) -> None:
     results.close()
     results.join_thread()  # the last message must leave before the process does
@@ -201,13 +255,19 @@ def _child(rank: int, world: int, port: int, setup: _Setup, inbox: Any, results:
             _STACK_FILE = open(os.path.join(setup.stack_dir, f"rank{rank}.txt"), "w")
         faulthandler.register(signal.SIGUSR1, file=_STACK_FILE or sys.stderr, all_threads=True)
     try:
+        started = time.monotonic()
+        import torch.distributed  # noqa: F401  (timed apart: the start log tells imports from the rest)
+
+        imported = time.monotonic()
         init_from_env(setup.backend, setup.device, setup.pg_timeout_s)
+        joined = time.monotonic()
         if setup.init is not None:
             setup.init()
+        timing = {"import_seconds": imported - started, "init_seconds": time.monotonic() - joined}
     except BaseException:
         results.put((rank, 0, "error", traceback.format_exc()))
         _flush_and_exit(results, 1)
-    results.put((rank, 0, "ok", pickle.dumps(None)))
+    results.put((rank, 0, "ok", pickle.dumps(timing)))
     while True:
         message = inbox.get()
         if message is None:
@@ -318,6 +378,10 @@ class Group:
         init: a picklable function every rank runs once at start-up, after joining the process group (e.g. import
             Megatron): part of the start, not of any :meth:`run`'s timeout.
         start_timeout: seconds the ranks may take to start (processes, torch, process group, ``init``).
+        warm: modules to import ONCE in a fork server from which the ranks are then forked (CPU only), instead of
+            starting every rank as a fresh interpreter that imports them again. Importing a module there must
+            not start threads or touch CUDA. Every warm Group of a process shares one server (same modules). The
+            modules are imported before ``env`` applies: they must not read it at import.
         destroy_subgroups: after every run, destroy the process groups the run created. Megatron creates dozens
             per ``initialize_model_parallel`` and ``destroy_model_parallel`` only forgets them; gloo keeps three
             threads for each, so a long-lived group of ranks collects thousands of threads. The run must not
@@ -327,9 +391,13 @@ class Group:
     def __init__(self, nprocs: int, *, device: str = "cpu", backend: str | None = None,
                  env: dict[str, str] | None = None, pg_timeout: float = 600.0,
                  destroy_subgroups: bool = False, init: Callable[[], Any] | None = None,
-                 start_timeout: float = 600.0) -> None:
+                 start_timeout: float = 600.0, warm: Sequence[str] = ()) -> None:
         if nprocs < 1:
             raise InvalidArgumentError(f"nprocs must be >= 1, got {nprocs}")
+        if warm and device == "cuda":
+            raise InvalidArgumentError("warm ranks are forked, and a process cannot be forked once CUDA is in use: "
+                                       "use warm=() with device='cuda'")
+        self._warm = tuple(warm)
         self.nprocs = nprocs
         self.start_timeout = start_timeout
         self._setup = _Setup(backend or default_backend(device), device, dict(env or {}), pg_timeout,
@@ -374,10 +442,14 @@ class Group:
         for attempt in range(_PORT_ATTEMPTS):
             if self.started:
                 return
+            began = time.monotonic()
             self._launch(free_port())
             try:
-                self._collect(0, deadline, timeout)
+                timings = self._collect(0, deadline, timeout)
                 self.starts += 1
+                _STARTS.append(StartRecord(
+                    self.nprocs, "forkserver" if self._warm else "spawn", time.monotonic() - began,
+                    max(t["import_seconds"] for t in timings), max(t["init_seconds"] for t in timings)))
                 return
             except RankFailure as exc:
                 # free_port() cannot reserve the port: another process may take it before rank 0 listens on it.
@@ -426,7 +498,7 @@ class Group:
 
     # ------------------------------------------------------------------------------------------------ internals
     def _launch(self, port: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _fork_server_context(self._warm) if self._warm else mp.get_context("spawn")
         stack_dir = tempfile.mkdtemp(prefix="mcore-compat-stacks-")
         setup = replace(self._setup, stack_dir=stack_dir)
         results = ctx.Queue()

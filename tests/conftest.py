@@ -18,6 +18,12 @@ there are any. Importing Megatron while collecting would run it before any test 
 the import (the apex / TransformerEngine stand-ins), turning release sessions into test-order lotteries. Note
 that ``importlib.util.find_spec("megatron.core.x")`` imports ``megatron.core``: ask at run time instead.
 
+Where a session's time goes: when ``$MCORE_COMPAT_TIMING_REPORT`` names a file (the matrix sets it), the same plugin
+writes there, at the end of the session, the seconds of collection, of the setup/call/teardown phases, of every
+start of ranks in this process (:func:`mcore_compat.launch.start_log`: how many ranks, spawned or forked, of
+which importing torch), of the subprocesses the tests ran (``subprocess.run``, counted) and per test module; the
+matrix prints one line per session from it.
+
 Skips in a release session are release limits: an ``mcore`` test skipped while megatron-core is on ``sys.path``
 must give a reason that names the installed release (``"... megatron-core 0.4.0 has no ..."``); a skip that does
 not is reported as a failure. A failure is never turned into a skip.
@@ -25,11 +31,13 @@ not is reported as a failure. A failure is never turned into a skip.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.machinery
 import json
 import os
 import subprocess
 import sys
+import time
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -69,11 +77,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 _GROUP_PLUGIN = "mcore-compat-rank-group"
 
 
+#: The fork server's preload of every rank group of the suite: ranks are forked with torch, the CPU patches and
+#: Megatron loaded (imported once per pytest process, not once per rank). The fresh-process path users get is
+#: proven in every release session by the CLI self-check that follows pytest, and by tests/test_launch.py.
+WARM_CPU = ("mcore_compat._warm_cpu",)
+
+
 def _rank_group() -> Iterator[Any]:
     """2 gloo ranks shared by every module (started on first use, stopped at the end of the session)."""
     from mcore_compat.launch import Group
 
-    with Group(2, device="cpu", destroy_subgroups=True) as group:
+    with Group(2, device="cpu", destroy_subgroups=True, warm=WARM_CPU) as group:
         yield group
 
 
@@ -209,14 +223,69 @@ def _release_limit_only(item: pytest.Item, report: pytest.TestReport) -> pytest.
     return report
 
 
+class _Timing:
+    """The session's time by kind (see the module docstring); written by :meth:`write` when asked for."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.collect: list[float] = []
+        self.phases = {"setup": 0.0, "call": 0.0, "teardown": 0.0}
+        self.modules: dict[str, float] = {}
+        self.subprocesses: list[float] = []
+        self._real_run = subprocess.run
+
+    def timed_run(self, *args: Any, **kwargs: Any) -> Any:
+        """``subprocess.run``, its wall time counted."""
+        start = time.monotonic()
+        try:
+            return self._real_run(*args, **kwargs)
+        finally:
+            self.subprocesses.append(time.monotonic() - start)
+
+    def add(self, report: pytest.TestReport) -> None:
+        self.phases[report.when] = self.phases.get(report.when, 0.0) + report.duration
+        module = report.nodeid.split("::")[0]
+        self.modules[module] = self.modules.get(module, 0.0) + report.duration
+
+    def write(self, path: str) -> None:
+        from mcore_compat.launch import start_log
+
+        data = {
+            "seconds": time.monotonic() - self.started,
+            "collect": self.collect[1] - self.collect[0] if len(self.collect) == 2 else None,
+            **self.phases,
+            "rank_starts": [dataclasses.asdict(r) for r in start_log()],
+            "subprocesses": {"count": len(self.subprocesses), "seconds": sum(self.subprocesses)},
+            "modules": dict(sorted(self.modules.items(), key=lambda kv: -kv[1])),
+        }
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=1)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.has_plugin(_GROUP_PLUGIN):
         plugin = types.ModuleType(_GROUP_PLUGIN)
         plugin.rank_group = pytest.fixture(scope="session", name="rank_group")(_rank_group)  # type: ignore[attr-defined]
         found: list[list[str]] = []
+        timing = _Timing()
+        timing_report = os.environ.get("MCORE_COMPAT_TIMING_REPORT")
+        if timing_report:
+            subprocess.run = timing.timed_run  # type: ignore[assignment]  # the tests' lookups go through it
+
+        def pytest_collection(session: pytest.Session) -> None:
+            timing.collect[:] = [time.monotonic()]
 
         def pytest_collection_finish(session: pytest.Session) -> None:
             found.append(megatron_core_modules())
+            timing.collect.append(time.monotonic())
+
+        def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+            timing.add(report)
+
+        def pytest_sessionfinish(session: pytest.Session) -> None:
+            if timing_report:
+                subprocess.run = timing._real_run  # type: ignore[assignment]
+                timing.write(timing_report)
 
         def megatron_at_collection() -> list[str]:
             """The ``megatron.core`` modules that were imported when collection ended."""
@@ -228,7 +297,10 @@ def pytest_configure(config: pytest.Config) -> None:
             report = yield
             return _release_limit_only(item, report)
 
+        plugin.pytest_collection = pytest_collection  # type: ignore[attr-defined]
         plugin.pytest_collection_finish = pytest_collection_finish  # type: ignore[attr-defined]
+        plugin.pytest_runtest_logreport = pytest_runtest_logreport  # type: ignore[attr-defined]
+        plugin.pytest_sessionfinish = pytest_sessionfinish  # type: ignore[attr-defined]
         plugin.pytest_runtest_makereport = pytest_runtest_makereport  # type: ignore[attr-defined]
         plugin.megatron_at_collection = pytest.fixture(scope="session")(megatron_at_collection)  # type: ignore[attr-defined]
         config.pluginmanager.register(plugin, _GROUP_PLUGIN)

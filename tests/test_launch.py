@@ -212,3 +212,60 @@ def test_group_destroys_the_subgroups_a_run_created(destroy: bool) -> None:
         base = group.run(_count_groups, timeout=120)
         assert group.run(_make_two_groups, timeout=60) == [b + 2 for b in base]
         assert group.run(_count_groups, timeout=60) == (base if destroy else [b + 2 for b in base])
+
+
+# ------------------------------------------------------------------------------- warm groups: ranks forked
+def _warm_state() -> tuple[int, int, bool, float]:
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    from mcore_compat import _warm_cpu
+
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    return _warm_cpu.SERVER_PID, os.getpid(), "torch" in sys.modules, float(t)
+
+
+def test_warm_group_forks_its_ranks_from_one_server_that_imported_the_modules() -> None:
+    """The warm module is imported once, in the fork server, and not again in any rank (its SERVER_PID is the
+    server's); two groups share the server; the starts are recorded as fork-server starts that imported nothing."""
+    from conftest import WARM_CPU
+
+    from mcore_compat.launch import start_log
+
+    before = len(start_log())
+    with Group(2, warm=WARM_CPU) as group:
+        got = group.run(_warm_state, timeout=120)
+    with Group(2, warm=WARM_CPU) as group:
+        again = group.run(_warm_state, timeout=120)
+    servers = {server for server, _, _, _ in got + again}
+    ranks = {pid for _, pid, _, _ in got + again}
+    assert len(servers) == 1 and len(ranks) == 4 and servers.isdisjoint(ranks) and os.getpid() not in servers
+    assert [s for _, _, _, s in got] == [3.0, 3.0]
+    records = start_log()[before:]
+    assert [(r.nprocs, r.method) for r in records] == [(2, "forkserver"), (2, "forkserver")]
+    assert all(r.import_seconds < 0.5 for r in records), records  # torch came with the fork
+
+
+def test_warm_group_refuses_cuda_and_a_second_set_of_modules() -> None:
+    from conftest import WARM_CPU
+
+    from mcore_compat.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="cannot be forked once CUDA"):
+        Group(2, device="cuda", warm=WARM_CPU)
+    with Group(1, warm=WARM_CPU) as group:
+        group.start(timeout=120)
+    with pytest.raises(InvalidArgumentError, match="one fork server per process"):
+        Group(1, warm=("json",)).start(timeout=120)
+
+
+def test_spawned_start_is_recorded_with_its_import_time() -> None:
+    from mcore_compat.launch import start_log
+
+    before = len(start_log())
+    assert spawn(_all_reduce, 2, timeout=120) == [3.0, 3.0]
+    (record,) = start_log()[before:]
+    assert record.nprocs == 2 and record.method == "spawn" and 0 < record.import_seconds < record.seconds

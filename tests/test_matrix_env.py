@@ -499,3 +499,34 @@ def test_run_matrix_records_and_regenerates(tmp_path: Path, monkeypatch: pytest.
     assert lines[-1] == "regenerated matrix/README.md and recorded CPU results"
     assert env.layout.summary_file.read_text().startswith("==== 8 passed in ")
     assert json.dumps(recorded[0][2])  # JSON-able, as results.json needs
+
+
+def test_timing_line_and_record_say_where_a_session_went(capsys: pytest.CaptureFixture[str]) -> None:
+    """The table printed at the end of every matrix run: one line per session from its phases and what the suite
+    measured inside pytest (tests/conftest.py); the compact record goes into results.json."""
+    result = results.JobResult("mcore-0.16.1", ok=True, passed=3, seconds=150.0)
+    result.timing = {"prepare": 4.04, "startup": 0.31, "pytest": 120.0, "selfcheck": 21.5, "inside_pytest": {
+        "seconds": 119.0, "collect": 2.5, "setup": 60.0, "call": 50.0, "teardown": 1.0,
+        "rank_starts": [{"nprocs": 2, "method": "forkserver", "seconds": 7.2, "import_seconds": 0.0,
+                         "init_seconds": 0.0},
+                        {"nprocs": 4, "method": "spawn", "seconds": 11.0, "import_seconds": 6.5,
+                         "init_seconds": 0.0}],
+        "subprocesses": {"count": 9, "seconds": 30.25},
+        "modules": {"tests/test_selfcheck_real.py": 25.0, "tests/test_cli.py": 20.0, "tests/a.py": 1.0,
+                    "tests/b.py": 0.5}}}
+    rec = results.timing_record(result)
+    assert rec == {"prepare": 4.0, "startup": 0.3, "pytest": 120.0, "selfcheck": 21.5, "collect": 2.5,
+                   "rank_starts": [{"nprocs": 2, "method": "forkserver", "seconds": 7.2, "import_seconds": 0.0},
+                                   {"nprocs": 4, "method": "spawn", "seconds": 11.0, "import_seconds": 6.5}],
+                   "subprocesses": {"count": 9, "seconds": 30.2},
+                   "slowest_modules": {"tests/test_selfcheck_real.py": 25.0, "tests/test_cli.py": 20.0,
+                                       "tests/a.py": 1.0}}
+    assert results.cpu_record("wheel", result)["timing"] == rec
+    line = results.timing_line(result)
+    assert line.split() == ["mcore-0.16.1", "150.0", "4.0", "0.3", "120.0", "2.5", "2:", "2f", "7.2(0.0)+4s",
+                            "11.0(6.5)", "9:", "30.2", "21.5", "test_selfcheck_real.py", "25.0"]
+    bare = results.timing_line(results.JobResult("lint", ok=True, seconds=3.0))
+    assert bare.split() == ["lint", "3.0", "-", "-", "-", "-", "-", "-", "-"]
+    scheduler.report([result], time.monotonic(), Path(os.devnull))
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[2] == results.TIMING_HEADER and printed[3] == line

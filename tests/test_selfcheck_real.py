@@ -271,7 +271,9 @@ def _why_not(config: SelfCheckOptions, nproc: int) -> str | None:
 
 @pytest.fixture(scope="module")
 def world4_group() -> Iterator[Group]:
-    with Group(4, device="cpu", destroy_subgroups=True) as group:
+    from conftest import WARM_CPU
+
+    with Group(4, device="cpu", destroy_subgroups=True, warm=WARM_CPU) as group:
         yield group
 
 
