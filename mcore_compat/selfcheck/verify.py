@@ -31,9 +31,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._optimizer_view import MainParam, optimizer_view
 from .groups import Groups
 from .invariants import compare_replicas, global_grad_norm
-from .optimizer_view import MainParam, optimizer_view
 from .oracle import BOUND_TEXT, Rule, expected_step, rule_of, unsupported_group
 from .reference import GradReference, PlainReference, core_module
 from .report import Check

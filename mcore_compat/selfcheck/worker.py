@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from .._optimizer_view import optimizer_view
 from . import models
 from .offload_cycle import OffloadCycles
-from .optimizer_view import optimizer_view
 from .options import SelfCheckOptions
 from .report import Check
 from .verify import StepVerifier, named_trainable
