@@ -389,3 +389,19 @@ def test_the_fault_score_the_suite_writes_is_recorded(tmp_path: Path, monkeypatc
     assert seen["MCORE_COMPAT_FAULT_REPORT"] == str(tmp_path / ".cache" / "logs" / "mcore-0.16.1.faults.json")
     assert result.faults == {"caught": 27, "faults": 28, "clean_pass": 7, "clean": 7}
     assert nf.results.cpu_record("wheel", result)["fault_detection"] == result.faults
+
+
+def test_the_time_table_is_rendered_from_the_recorded_timing() -> None:
+    """matrix/README.md shows where each release session's time went, from the CPU record's ``timing``."""
+    from mcore_compat.support.render import _timing_row
+
+    record = {"seconds": 150.4, "timing": {
+        "prepare": 3.0, "startup": 0.3, "pytest": 120.2, "selfcheck": 20.6, "collect": 2.5,
+        "rank_starts": [{"nprocs": 2, "method": "forkserver", "seconds": 8.2, "import_seconds": 0.0},
+                        {"nprocs": 4, "method": "spawn", "seconds": 11.0, "import_seconds": 6.5}],
+        "subprocesses": {"count": 6, "seconds": 30.4},
+        "slowest_modules": {"tests/test_selfcheck_real.py": 40.2, "tests/test_cli.py": 20.0}}}
+    assert _timing_row("0.16.1", record) == (
+        "| 0.16.1 | 150 | 3 | 120 | 2 | 2 forked 8.2 s, 4 spawned 11.0 s | 6: 30 s | 21 | "
+        "test_selfcheck_real.py 40, test_cli.py 20 |")
+    assert _timing_row("0.16.1", {"seconds": 1.0}) is None and _timing_row("0.16.1", None) is None

@@ -81,6 +81,37 @@ def _faults_cell(result: Mapping[str, Any] | None) -> str:
     return text
 
 
+def _timing_row(version: str, result: Mapping[str, Any] | None) -> str | None:
+    """One row of the time table from a CPU result's ``timing`` (``None`` when not recorded)."""
+    timing = (result or {}).get("timing")
+    if not isinstance(timing, Mapping):
+        return None
+
+    def sec(key: str) -> str:
+        return f"{timing[key]:.0f}" if isinstance(timing.get(key), (int, float)) else "—"
+
+    starts = timing.get("rank_starts") or []
+    start_text = ", ".join(f"{s['nprocs']} {'forked' if s['method'] == 'forkserver' else 'spawned'} "
+                           f"{s['seconds']:.1f} s" for s in starts) or "—"
+    sub = timing.get("subprocesses") or {}
+    sub_text = f"{sub['count']}: {sub['seconds']:.0f} s" if sub else "—"
+    slow = ", ".join(f"{m.rsplit('/', 1)[-1]} {v:.0f}" for m, v in (timing.get("slowest_modules") or {}).items())
+    total = (result or {}).get("seconds")
+    return (f"| {version} | {total:.0f} | {sec('prepare')} | {sec('pytest')} | {sec('collect')} | {start_text} | "
+            f"{sub_text} | {sec('selfcheck')} | {slow or '—'} |" if isinstance(total, (int, float)) else None)
+
+
+_TIMING_HEADER = """## Where a release session's time goes
+
+Seconds of the last recorded CPU run (two sessions at a time on a 2-core machine; the matrix prints the same
+table at the end of every run). **prepare**: base check, release tree, mcore-compat install; **pytest**: the
+whole test run, of which **collect** is collection, **rank starts** the groups of ranks the suite started
+(forked from one warm fork server that imported torch, the CPU patches and Megatron once: see
+`mcore_compat.launch.Group(warm=...)`) and **subprocesses** the fresh interpreters the tests ran (CLI, doctor,
+patches that must precede Megatron's import); **self-check**: the CLI sweep as a user runs it (fresh processes).
+"""
+
+
 def render(releases: Iterable[Release], recorded: Mapping[str, Mapping[str, Any]],
            bases: Mapping[str, list[str]]) -> str:
     """The text of ``matrix/README.md``.
@@ -90,6 +121,7 @@ def render(releases: Iterable[Release], recorded: Mapping[str, Mapping[str, Any]
         recorded: recorded results by release and kind (``{"0.16.1": {"cpu": {...}}}``).
         bases: the base environments' requirements by Python version.
     """
+    releases = list(releases)
     lines = [_HEADER, "| megatron-core | tags | Python | limits | install | CPU | faults caught | GPU | notes |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in releases:
@@ -98,6 +130,12 @@ def render(releases: Iterable[Release], recorded: Mapping[str, Mapping[str, Any]
         lines.append(f"| {r.version} | {tags} | {r.python} | {_limits_cell(r)} | {_install_cell(r)} | "
                      f"{_result_cell(res.get('cpu'))} | {_faults_cell(res.get('cpu'))} | "
                      f"{_result_cell(res.get('gpu'))} | {_cell(r.notes)} |")
+    timing_rows = [row for r in releases
+                   if (row := _timing_row(str(r.version), recorded.get(str(r.version), {}).get("cpu")))]
+    if timing_rows:
+        lines += ["", _TIMING_HEADER,
+                  "| megatron-core | total | prepare | pytest | collect | rank starts | subprocesses | self-check "
+                  "| slowest test modules |", "|---|---|---|---|---|---|---|---|---|", *timing_rows]
     lines += ["", "## Base environments", "",
               "Each Python has one shared environment; a release's limits must hold in its base "
               "(the noxfile checks this before running a session).", ""]
