@@ -125,3 +125,53 @@ def legacy_tied_refusal() -> str | None:
     models.release_chunks(chunks)
     symbols.resolve("parallel_state").destroy_model_parallel()
     return message
+
+def tied_bias_buckets() -> dict[str, Any]:
+    """PP=2, tied embeddings, linear biases, the distributed optimizer (the model a user hit an AssertionError
+    inside Megatron with on 0.12.3): ``wrap_ddp`` either refuses on every stage before building anything, or DDP
+    and the optimizer build. Returns ``{"refused": text or None, "rebound": whether any param became a view of a
+    DDP buffer, "optimizer": built}``."""
+    import dataclasses
+
+    from mcore_compat import patches
+
+    patches.apply_for_device("cpu")
+    from mcore_compat import symbols, training
+    from mcore_compat.errors import UnsupportedVersionError
+    from mcore_compat.selfcheck import SelfCheckOptions, models
+
+    opts = SelfCheckOptions(nproc=2, tp=1, pp=2, device="cpu", model="gpt", tie_embeddings=True,
+                            distributed_optimizer=True).resolved()
+    models.init_parallel(opts)
+    ps = symbols.resolve("parallel_state")
+    # one layer per stage: its params (with biases) then end on an odd number of 64-element blocks
+    config = dataclasses.replace(models.transformer_config(opts), add_bias_linear=True, num_layers=2)
+    module = models._gpt(config, opts, pre_process=ps.is_pipeline_first_stage(),
+                         post_process=ps.is_pipeline_last_stage(), tie=True, vp_stage=None)
+    storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    out: dict[str, Any] = {"refused": None, "optimizer": False}
+    chunks: list[Any] = []
+    try:
+        chunks = training.wrap_ddp([module], ddp_config=models.ddp_config(opts))
+        training.get_megatron_optimizer(models.optim_config(opts), chunks)
+        out["optimizer"] = True
+    except UnsupportedVersionError as exc:
+        out["refused"] = str(exc)
+    out["rebound"] = any(p.untyped_storage().data_ptr() not in storages for p in module.parameters())
+    out["biases"] = sum(name.endswith(".bias") for name, _ in module.named_parameters())
+    if out["refused"]:  # what the refusal prevents: the same build without the check, inside Megatron
+        from mcore_compat.training import ddp as ddp_module
+
+        check, ddp_module.check_tied_buckets = ddp_module.check_tied_buckets, lambda *a, **k: None
+        try:
+            chunks = training.wrap_ddp([module], ddp_config=models.ddp_config(opts))
+            training.get_megatron_optimizer(models.optim_config(opts), chunks)
+            out["unchecked"] = "built"
+        except AssertionError as exc:
+            out["unchecked"] = f"AssertionError: {exc}"
+        finally:
+            ddp_module.check_tied_buckets = check
+    if chunks:
+        models.release_chunks(chunks)
+    ps.destroy_model_parallel()
+    return out

@@ -253,6 +253,28 @@ def test_check_training_step_on_own_model(own_model: dict[str, dict], case: str)
         assert result["settings"]["reference_bytes"] > 0 and result["settings"]["snapshot_bytes"] > 0
 
 
+def test_tied_embedding_with_biases_trains_or_is_refused_before_anything_is_built(rank_group: Group) -> None:
+    """PP=2, tied embeddings, linear biases, the distributed optimizer: where the release lays the tied weight over
+    two gradient buckets (0.7-0.12: Megatron's DistributedOptimizer then stops with an AssertionError, shown here
+    by the same build with the check switched off), wrap_ddp refuses on every stage before anything is built,
+    naming the ways out; elsewhere DDP and the optimizer build."""
+    import _own_model_scenarios as scenarios
+
+    from mcore_compat.layout import layout_fact
+
+    got = rank_group.run(scenarios.tied_bias_buckets, timeout=600)
+    assert all(g["biases"] > 0 for g in got), got
+    mode = layout_fact("shared_embedding_split", _installed())
+    if mode == "dp_align_then_close" or any(g["refused"] for g in got):
+        assert mode in ("close_at_start", "dp_align_then_close"), (mode, got)
+        for g in got:
+            assert g["refused"] and "Nothing was built" in g["refused"] and "use_distributed_optimizer=False" in \
+                g["refused"] and not g["rebound"] and not g["optimizer"], g
+        assert any("each param only belongs to a single bucket" in g.get("unchecked", "") for g in got), got
+    else:
+        assert all(g["optimizer"] and g["refused"] is None for g in got), got
+
+
 # -------------------------------------------------- world size 4: TP=2 x PP=2, DP=2 x PP=2 (tied), DP=2 x TP=2 (SP)
 WORLD4 = {
     "tp2-sp-pp2-distopt": SelfCheckOptions(tp=2, pp=2, distributed_optimizer=True, model="gpt", steps=2),

@@ -35,6 +35,7 @@ from ._common import (
 )
 from .broadcast import GROUPS_ATTR
 from .param_sync import REQUEST_ATTR
+from .tied_buckets import check_tied_buckets
 
 __all__ = ["DDPConfig", "ddp_config_of", "wrap_ddp", "zero_grad_buffer"]
 
@@ -297,6 +298,10 @@ def wrap_ddp(
 
     Returns:
         The wrapped module, or a list of wrapped chunks if ``model`` was a list/tuple.
+
+    Raises:
+        UnsupportedVersionError: with the distributed optimizer on 0.7-0.12, a tied embedding that the release
+            would lay over two gradient buckets (:mod:`.tied_buckets`); raised before any chunk is wrapped.
     """
     version = installed_version()
     chunks, was_list = as_chunk_list(model)
@@ -312,6 +317,11 @@ def wrap_ddp(
     num_instances = int(getattr(ddp_config, "num_distributed_optimizer_instances", None)
                         or DDPConfig.from_any(ddp_config).num_distributed_optimizer_instances)
     groups = _group_kwargs(version, data_parallel_group, expert_data_parallel_group, pg_collection, num_instances)
+    if not style.startswith("kwargs"):  # 0.7+: refuse a tied embedding over two buckets before building anything
+        settings = ddp_config_of(ddp_config, version)
+        for chunk, flag in zip(chunks, flags, strict=True):
+            check_tied_buckets(chunk, settings, version, data_parallel_group=data_parallel_group,
+                               disable_bucketing=flag)
     wrapped = []
     for chunk, flag in zip(chunks, flags, strict=True):
         cfg = config if config is not None else model_config(chunk)
