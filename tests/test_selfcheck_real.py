@@ -45,6 +45,7 @@ class Fault:
 
 
 _GRADS = frozenset({"grads_match_reference"})
+_RULE = frozenset({"update_matches_optimizer_rule"})
 FAULT_CASES: dict[str, Fault] = {
     "rebind_after_optimizer": Fault(dict(distributed_optimizer=True), frozenset({"params_in_ddp_buffer"}),
                                     frozenset({"model_params_match_main", "replicas_identical"}), ">=0.6"),
@@ -70,6 +71,11 @@ FAULT_CASES: dict[str, Fault] = {
     "group_not_stepped": Fault(dict(distributed_optimizer=True), frozenset({"optimizer_covers_params"}),
                                frozenset({"update_matches_optimizer_rule", "all_params_changed"})),
     "loss_not_averaged": Fault(dict(distributed_optimizer=False), outcome=_GRADS),
+    # inside the torch optimizer's step, after every structural check: the rule's hyper-parameters come from the
+    # configuration, so the update itself is off (0.4/0.5: mcore_compat's optimizer, the same torch AdamW)
+    "maximize_in_step": Fault(dict(distributed_optimizer=True), _RULE),
+    "swap_betas_in_step": Fault(dict(distributed_optimizer=False), _RULE),
+    "decay_no_decay_in_step": Fault(dict(distributed_optimizer=True), _RULE),
     "stale_binding": Fault(dict(distributed_optimizer=False), frozenset({"binding_verified"}),
                            frozenset({"bound_buffer_current"})),
     # the offload faults act inside mcore_compat.offload/reload; the dtype does not change what they do, so they
@@ -110,6 +116,20 @@ def _clean() -> dict[str, SelfCheckOptions]:
     return {f"{c.label()}-lr{lr:g}": replace(c, lr=lr) for lr in LRS for c in standard_sweep(2, dtype="bf16")}
 
 
+#: Adam with L2 weight decay through the moments (``decoupled_weight_decay=False``): clean in both dtypes at both
+#: learning rates, where the release's OptimizerConfig has the field (0.15+).
+COUPLED = {f"coupled-wd-{dtype}-lr{lr:g}": SelfCheckOptions(decoupled_weight_decay=False, dtype=dtype, lr=lr,
+                                                            distributed_optimizer=dtype == "bf16")
+           for dtype in DTYPES for lr in LRS}
+
+
+def _coupled_unsupported() -> str | None:
+    from mcore_compat.selfcheck import models
+
+    config = next(iter(COUPLED.values()))
+    return models.unsupported_reason(replace(config, nproc=2, device="cpu").resolved())
+
+
 def _fault(case: str) -> str:
     return FAULT_CASES[case].fault or case
 
@@ -122,6 +142,8 @@ def test_every_fault_has_a_case() -> None:
 def sweep(rank_group: Group) -> dict[str, Report]:
     common = dict(model="gpt", steps=2)
     configs = {name: replace(c, **common) for name, c in _clean().items()}
+    if _coupled_unsupported() is None:
+        configs.update({name: replace(c, **common) for name, c in COUPLED.items()})
     for name, case in FAULT_CASES.items():
         if not _applies(name):
             continue
@@ -202,6 +224,19 @@ def test_bf16_at_a_small_learning_rate_judges_the_main_params(sweep: dict[str, R
     assert report.ok, report.render()
     assert report.check("all_params_changed").passed
     assert report.check("model_params_match_main").passed
+
+
+@pytest.mark.parametrize("name", list(COUPLED))
+def test_coupled_weight_decay_passes(sweep: dict[str, Report], name: str) -> None:
+    """Adam with L2 decay (``g + wd*p`` through the moments) trains correctly and the self-check says so: the
+    oracle takes the coupled rule from the configuration."""
+    why = _coupled_unsupported()
+    if why is not None:
+        pytest.skip(why)
+    report = sweep[name]
+    assert report.ok, report.render()
+    check = report.check("update_matches_optimizer_rule")
+    assert check.passed and "L2 through the moments" in check.detail, report.render()
 
 
 @pytest.mark.parametrize(("case", "dtype"), [(c, d) for c, f in FAULT_CASES.items() for d in f.dtypes])

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .._config_names import fields_in
 from ..capabilities import capability, has
 from ..detect import detect
 from .options import SelfCheckOptions
@@ -109,6 +110,11 @@ def unsupported_reason(opts: SelfCheckOptions) -> str | None:
             versions = capability(req.capability).versions
             where = f"needs megatron-core {versions}" if req.holds else f"fails on megatron-core {versions}"
             return f"{req.feature}: {where} (installed {detect().version}); {req.why}"
+    if not opts.decoupled_weight_decay and "decoupled_weight_decay" not in fields_in("OptimizerConfig",
+                                                                                      detect().version):
+        return (f"Adam with L2 (coupled) weight decay: megatron-core {detect().version}'s OptimizerConfig has no "
+                f"decoupled_weight_decay (0.15+); its Adam is torch AdamW or FusedAdam in AdamW mode "
+                f"(optimizer/__init__.py), always decoupled")
     return None
 
 
@@ -372,7 +378,8 @@ def optim_config(opts: SelfCheckOptions) -> Any:
     return OptimConfig(optimizer="adam", lr=opts.lr, weight_decay=opts.weight_decay, clip_grad=opts.clip_grad,
                        bf16=opts.dtype == "bf16",
                        params_dtype=torch.bfloat16 if opts.dtype == "bf16" else torch.float32,
-                       use_distributed_optimizer=opts.distributed_optimizer)
+                       use_distributed_optimizer=opts.distributed_optimizer,
+                       decoupled_weight_decay=opts.decoupled_weight_decay)
 
 
 def make_batches(opts: SelfCheckOptions, dp_rank: int) -> list[Batch]:

@@ -24,6 +24,10 @@ FAULTS = {
     "decay_no_decay_params": "weight decay applied to the biases and norms",
     "wrong_group_lr": "one param group's learning rate x10",
     "group_not_stepped": "one param group left out of the optimizer's step",
+    "maximize_in_step": "the optimizer's param groups switched to maximize=True inside the step (every update goes "
+                        "up the gradient)",
+    "swap_betas_in_step": "Adam's betas swapped in the optimizer's param groups inside the step",
+    "decay_no_decay_in_step": "weight decay applied to the biases' and norms' group inside the step",
     "loss_not_averaged": "the loss not divided by the number of micro-batches",
     "stale_binding": "the binding's flat buffers are copies taken at bind time (needs bind=True)",
     "reload_recreates_storage": "reload copies the params' bytes into new memory and rebinds param.data instead "
@@ -68,6 +72,9 @@ class SelfCheckOptions:
         weight_decay: decoupled weight decay of the weights; biases and norms (1-D params) get none, as
             Megatron-LM sets the groups.
         clip_grad: global gradient-norm clipping threshold (0 = off).
+        decoupled_weight_decay: Adam's weight decay decoupled (AdamW: ``p*(1 - lr*wd)``) or, when ``False``, L2
+            decay through the moments (``g + wd*p`` enters them; needs an ``OptimizerConfig`` with the field,
+            0.15+).
         grad_reduce_in_fp32: keep and reduce gradients in fp32; ``None`` = on for bf16.
         offload_cycles: offload/reload cycles (:func:`mcore_compat.offload`, :func:`mcore_compat.reload`)
             between the steps, each proved (memory freed, everything back in place, host buffers reused) and
@@ -97,6 +104,7 @@ class SelfCheckOptions:
     ep: int | None = None
     weight_decay: float = 0.1
     clip_grad: float = 1.0
+    decoupled_weight_decay: bool = True
     grad_reduce_in_fp32: bool | None = None
     offload_cycles: int = 0
 

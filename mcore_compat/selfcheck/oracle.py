@@ -18,6 +18,11 @@ have from it. Derivation (``u = 2**-24``, the unit roundoff of fp32; ``d`` = the
   ``D = s*M/(sqrt(v')/sqrt(bc2) + eps)``. The decay factor and product add ``<= 2u|p|``, the final subtraction
   ``<= u|p'|``. Bound: ``|p'_fp32 - p'| <= u*(2|p| + |p'| + 12|d| + 6D)``; moments: ``6u*M`` and ``10u*v'``
   (one ``u`` of margin each for second-order terms).
+* Adam with L2 decay (``decoupled=False``): the decayed gradient ``g + wd*p`` errs by ``<= 3u*(|g| + wd|p|)``
+  (clip, product, sum), relative to the terms' magnitudes, not to the sum (which may cancel); ``M`` uses
+  ``|g| + wd|p|``, ``m'`` is held to ``7u*M``, ``v'`` to ``11u*V`` with ``V = b2*v + (1-b2)(|g| + wd|p|)^2``,
+  and ``d`` to ``u*(12|d| + 7D_lo) + s|m'|(1/den_lo - 1/den)`` with ``den_lo`` the denominator at
+  ``v' - 11u*V`` (clamped at 0) and ``D_lo = s*M/den_lo``.
 * SGD (momentum ``mu``, L2 decay): ``d = lr*(g + wd*p)`` or with momentum ``lr*buf'``; bound
   ``u*(2|p| + |p'| + 6(|d| + D))`` with ``D`` the same sum over the terms' magnitudes; momentum buffer
   ``<= 6u`` times its terms' magnitudes.
@@ -32,7 +37,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BOUND_TEXT", "Rule", "expected_step", "rule_of", "unsupported_group"]
+__all__ = ["BOUND_TEXT", "Rule", "expected_step", "rule_of"]
 
 U32 = 2.0**-24
 BOUND_TEXT = {
@@ -66,33 +71,12 @@ def rule_of(inner: Any) -> Rule | str:
     return f"{type(inner).__module__}.{name}"
 
 
-def _hyper(group: dict[str, Any], rule: Rule) -> dict[str, Any]:
-    h = {"lr": float(group["lr"]), "wd": float(group.get("weight_decay", 0.0))}
-    if rule.kind == "adam":
-        b1, b2 = group.get("betas", (0.9, 0.999))
-        h.update(b1=float(b1), b2=float(b2), eps=float(group.get("eps", 1e-8)),
-                 amsgrad=bool(group.get("amsgrad", False)), maximize=bool(group.get("maximize", False)),
-                 bias_correction=bool(group.get("bias_correction", True)))
-    else:
-        h.update(momentum=float(group.get("momentum", 0.0)), dampening=float(group.get("dampening", 0.0)),
-                 nesterov=bool(group.get("nesterov", False)), maximize=bool(group.get("maximize", False)))
-    return h
-
-
-def unsupported_group(group: dict[str, Any], rule: Rule) -> str | None:
-    """A setting of ``group`` the oracle does not model (``None`` if all are modelled)."""
-    h = _hyper(group, rule)
-    if h.get("amsgrad"):
-        return "amsgrad"
-    if h.get("maximize"):
-        return "maximize"
-    return None
-
-
-def expected_step(rule: Rule, group: dict[str, Any], p0: Any, grad: Any, state0: dict[str, Any]
+def expected_step(rule: Rule, h: dict[str, Any], p0: Any, grad: Any, state0: dict[str, Any]
                   ) -> tuple[Any, dict[str, Any], Any]:
     """The rule applied exactly (float64) to ``p0``, the gradient and the state before the step.
 
+    ``h``: the hyper-parameters (``lr``, ``wd``; Adam: ``b1``, ``b2``, ``eps``, ``bias_correction``; SGD:
+    ``momentum``, ``dampening``, ``nesterov``), as configured (:mod:`.configured`), never ``maximize``.
     ``state0`` holds the torch optimizer's state before the step (empty before the first one). Returns
     ``(p', state', bound)``: the state with torch's keys (``exp_avg``, ``exp_avg_sq``, ``step``;
     ``momentum_buffer``) and, per element, the bound of the module docstring for ``p'`` (``state'`` also gets a
@@ -100,27 +84,42 @@ def expected_step(rule: Rule, group: dict[str, Any], p0: Any, grad: Any, state0:
     """
     import torch
 
-    h = _hyper(group, rule)
     p = p0.double()
     g = grad.double()
     if rule.kind == "adam":
         t = int(float(state0["step"])) + 1 if "step" in state0 else 1
         m = state0["exp_avg"].double() if "exp_avg" in state0 else torch.zeros_like(p)
         v = state0["exp_avg_sq"].double() if "exp_avg_sq" in state0 else torch.zeros_like(p)
-        if h["wd"] and not rule.decoupled:
+        coupled = bool(h["wd"]) and not rule.decoupled
+        g_abs = g.abs() + h["wd"] * p.abs() if coupled else g.abs()
+        if coupled:
             g = g + h["wd"] * p
         m1 = h["b1"] * m + (1.0 - h["b1"]) * g
-        m_abs = h["b1"] * m.abs() + (1.0 - h["b1"]) * g.abs()
+        m_abs = h["b1"] * m.abs() + (1.0 - h["b1"]) * g_abs
         v1 = h["b2"] * v + (1.0 - h["b2"]) * g * g
         bc1 = 1.0 - h["b1"] ** t if h["bias_correction"] else 1.0
         bc2 = 1.0 - h["b2"] ** t if h["bias_correction"] else 1.0
+        s = h["lr"] / bc1
         denom = v1.sqrt() / math.sqrt(bc2) + h["eps"]
-        d = (h["lr"] / bc1) * m1 / denom
-        d_abs = (h["lr"] / bc1) * m_abs / denom
+        d = s * m1 / denom
         p1 = (p * (1.0 - h["lr"] * h["wd"]) if (h["wd"] and rule.decoupled) else p) - d
-        bound = U32 * (2.0 * p.abs() + p1.abs() + 12.0 * d.abs() + 6.0 * d_abs)
-        return p1, {"exp_avg": m1, "exp_avg_sq": v1, "step": t, "exp_avg.bound": 6.0 * U32 * m_abs,
-                    "exp_avg_sq.bound": 10.0 * U32 * v1}, bound
+        if not coupled:
+            d_abs = s * m_abs / denom
+            bound = U32 * (2.0 * p.abs() + p1.abs() + 12.0 * d.abs() + 6.0 * d_abs)
+            return p1, {"exp_avg": m1, "exp_avg_sq": v1, "step": t, "exp_avg.bound": 6.0 * U32 * m_abs,
+                        "exp_avg_sq.bound": 10.0 * U32 * v1}, bound
+        # L2 decay: the gradient read carries <= 3u*(|g| + wd|p|) (clip, product, sum), which cancellation in
+        # g + wd*p can make large relative to the sum; the squared moment is bounded by its terms' magnitudes V
+        # and d by the smallest denominator v' - 11u*V allows (an element whose decayed gradient cancels may move
+        # either way, by at most its bound)
+        v_terms = h["b2"] * v + (1.0 - h["b2"]) * g_abs * g_abs
+        v_err = 11.0 * U32 * v_terms
+        denom_lo = (v1 - v_err).clamp_min(0.0).sqrt() / math.sqrt(bc2) + h["eps"]
+        d_lo = s * m_abs / denom_lo
+        bound = (U32 * (2.0 * p.abs() + p1.abs() + 12.0 * d.abs() + 7.0 * d_lo)
+                 + s * m1.abs() * (1.0 / denom_lo - 1.0 / denom))
+        return p1, {"exp_avg": m1, "exp_avg_sq": v1, "step": t, "exp_avg.bound": 7.0 * U32 * m_abs,
+                    "exp_avg_sq.bound": v_err}, bound
     d = g + h["wd"] * p if h["wd"] else g
     d_abs = g.abs() + h["wd"] * p.abs() if h["wd"] else g.abs()
     state: dict[str, Any] = {}

@@ -11,8 +11,10 @@ Around each step (``zero_grad_buffer``, ``forward_backward``, ``optimizer_step``
   recomputed here (tensor-parallel shards once, replicated params once, the tied copy once);
 * ``update_matches_optimizer_rule``: every main param and its moments after the step equal the optimizer's
   rule (:mod:`.oracle`, float64) applied to its value and state before the step, the finalized gradient
-  (unscaled, clipped by the reported norm) and its param group's hyper-parameters, within the fp32 rounding
-  bound; elements a step cannot change must not change;
+  (unscaled, clipped by the reported norm) and the hyper-parameters its configuration gives it
+  (:mod:`.configured`: the rule, weight decay coupled or decoupled, betas, eps, the no-decay params; never the
+  torch optimizer's groups at step time, which a bug inside the step may have changed), within the fp32
+  rounding bound; elements a step cannot change must not change;
 * ``model_params_match_main``: the model params equal the main params cast to the model dtype, bit for bit;
 * ``all_params_changed``: every trainable param's main param (the optimizer's fp32 copy or shard, merged over
   the ranks that share it) changed in the first step;
@@ -32,9 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._optimizer_view import MainParam, optimizer_view
+from .configured import Configured, from_optimizer
 from .groups import Groups
 from .invariants import compare_replicas, global_grad_norm
-from .oracle import BOUND_TEXT, Rule, expected_step, rule_of, unsupported_group
+from .oracle import BOUND_TEXT, Rule, expected_step, rule_of
 from .reference import GradReference, PlainReference, core_module
 from .report import Check
 
@@ -118,10 +121,13 @@ class StepVerifier:
         reference: build the plain-autograd copy (one more model in memory) for ``grads_match_reference``.
         continuity: keep the state after each step to prove nothing changed it before the next one.
         per_token_loss: the schedule's ``calculate_per_token_loss``.
+        configured: the hyper-parameters the updates must follow (:func:`.configured.from_options`); default:
+            :func:`.configured.from_optimizer` (the optimizer's config, the groups' lr and weight decay before
+            each step).
     """
 
     def __init__(self, chunks: Sequence[Any], optimizer: Any, *, reference: bool = True, continuity: bool = True,
-                 per_token_loss: bool = False) -> None:
+                 per_token_loss: bool = False, configured: Configured | None = None) -> None:
         import torch
 
         self.chunks = list(chunks)
@@ -132,6 +138,14 @@ class StepVerifier:
         self.names = named_trainable(self.chunks)
         self.view = optimizer_view(optimizer, self.names)
         self.rules: dict[int, Rule | str] = {id(i): rule_of(i) for i in self.view.inner}
+        self.configured: dict[int, Configured | str] = {0: configured} if configured is not None else \
+            from_optimizer(optimizer)
+        # which main params' groups decay at the start (the build-time param-group rule, before any step)
+        self._decays: dict[int, bool] = {
+            id(mp): mp.group is not None and float(mp.group.get("wd_mult", 1.0)) != 0.0
+            and float(mp.group.get("weight_decay", 0.0)) != 0.0 for mp in self.view}
+        self._eps_built: dict[int, float | None] = {
+            id(mp): float(mp.group["eps"]) if mp.group is not None and "eps" in mp.group else None for mp in self.view}
         self.continuity = continuity
         self.step_index = 0
         self.tally: dict[str, _Tally] = {k: _Tally() for k in (
@@ -335,10 +349,14 @@ class StepVerifier:
                 else:
                     t.fail(f"step {self.step_index}: {mp.name} is in no param group: never updated")
                 continue
-            rule = self.rules.get(id(mp.inner))
-            if not isinstance(rule, Rule) or unsupported_group(pre.group, rule):
-                t.note = f"optimizer rule not modelled: {rule if not isinstance(rule, Rule) else pre.group}"
+            conf = self.configured.get(id(mp.inner), self.configured.get(0))
+            if not isinstance(rule_of(mp.inner), Rule) or not isinstance(conf, Configured):
+                t.note = f"optimizer rule not modelled: {conf if isinstance(conf, str) else rule_of(mp.inner)}"
                 continue
+            rule = conf.rule
+            hyper = conf.hyper(mp.name, mp.model, pre.group, self._decays.get(id(mp), True),
+                               self._eps_built.get(id(mp)))
+            self.rule_text = f"{BOUND_TEXT.get(rule.kind, '')}; hyper-parameters: {conf.sources}"
             if not update_successful:
                 t.see(0.0, mp.name, after.numel())
                 if not torch.equal(after.float(), pre.p0.reshape(-1)):
@@ -356,7 +374,7 @@ class StepVerifier:
                 grad = pre.grad.reshape(-1)[lo:hi].double() / self._loss_scale * coeff
                 state0 = {k: (v.reshape(-1)[lo:hi] if _is_tensor(v) and v.dim() else v)
                           for k, v in pre.state0.items()}
-                p1, state1, bound = expected_step(rule, pre.group, p0, grad, state0)
+                p1, state1, bound = expected_step(rule, hyper, p0, grad, state0)
                 got = mp.main.detach().reshape(-1)[lo:hi].double()
                 err = (got - p1).abs()
                 ratio, over = _ratio(err, bound)
@@ -389,7 +407,6 @@ class StepVerifier:
             if steps_seen and "step" in now and int(float(now["step"])) not in steps_seen:
                 t.fail(f"step {self.step_index}: {mp.name}: optimizer step count {int(float(now['step']))} "
                        f"expected {min(steps_seen)}")
-        self.rule_text = BOUND_TEXT.get(next((r.kind for r in self.rules.values() if isinstance(r, Rule)), ""), "")
 
     def _check_model_params(self) -> None:
         import torch

@@ -14,6 +14,7 @@ from typing import Any
 
 from .._optimizer_view import optimizer_view
 from . import models
+from .configured import from_options
 from .offload_cycle import OffloadCycles
 from .options import SelfCheckOptions
 from .report import Check
@@ -236,6 +237,33 @@ def _inject_group_fault(opts: SelfCheckOptions, optimizer: Any, view: Any) -> No
                 mp.group = None
 
 
+def _inject_step_fault(opts: SelfCheckOptions, view: Any) -> None:
+    """The faults that act inside the optimizer's step: the torch optimizer's ``step`` changes its own param
+    groups first (what a bug in an optimizer wrapper or a param-group hook would do), then updates."""
+    if opts.fault not in ("maximize_in_step", "swap_betas_in_step", "decay_no_decay_in_step"):
+        return
+    no_decay_groups = {id(mp.group) for mp in view if mp.group is not None and no_decay(mp.name, mp.model)}
+
+    def corrupt(groups: list[dict[str, Any]]) -> None:
+        for group in groups:
+            if opts.fault == "maximize_in_step":
+                group["maximize"] = True
+            elif opts.fault == "swap_betas_in_step" and "betas" in group:
+                b1, b2 = group["betas"]
+                group["betas"] = (b2, b1)
+            elif opts.fault == "decay_no_decay_in_step" and id(group) in no_decay_groups:
+                group["weight_decay"] = opts.weight_decay
+
+    for inner in view.inner:
+        real = inner.step
+
+        def faulty(*args: Any, _real: Any = real, _inner: Any = inner, **kwargs: Any) -> Any:
+            corrupt(_inner.param_groups)
+            return _real(*args, **kwargs)
+
+        inner.step = faulty
+
+
 def _forward_step_for(opts: SelfCheckOptions) -> Any:
     step = models.forward_step(opts)
     if opts.fault != "loss_not_averaged":
@@ -305,7 +333,9 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
         checks.append(Check("training_hooks_installed", False, str(exc)))
 
     _inject_group_fault(opts, optimizer, optimizer_view(optimizer, named_trainable(chunks)))
-    verifier = StepVerifier(chunks, optimizer, reference=True, continuity=True)
+    verifier = StepVerifier(chunks, optimizer, reference=True, continuity=True,
+                            configured=from_options(opts, no_decay))
+    _inject_step_fault(opts, verifier.view)
     cycles = OffloadCycles(chunks, optimizer, verifier.view, opts.offload_cycles, opts.fault)
     gaps = cycles.gaps(opts.steps)
     checks.append(_param_groups_check(verifier.view, opts))
