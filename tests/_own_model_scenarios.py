@@ -9,6 +9,10 @@ from typing import Any
 #: case -> (pipeline size, dtype, reference copy)
 CASES = {
     "good": (1, "fp32", True),
+    # Megatron's default dropout (hidden and attention 0.1): the reference replays the step's random state
+    "good-dropout": (1, "fp32", True),
+    # the same, with the replay switched off: the reference draws other masks, so the gradients differ
+    "dropout-no-replay": (1, "fp32", True),
     "good-bf16": (1, "bf16", True),
     "good-pp2": (2, "fp32", True),
     "good-no-reference": (1, "fp32", False),
@@ -54,6 +58,37 @@ def _wrap_step(optimizer: Any, chunks: list[Any], case: str, dp_rank: int) -> No
     optimizer.step = faulty
 
 
+#: The dropout of the dropout cases (Megatron's ``TransformerConfig`` default for both).
+DROPOUT = 0.1
+
+
+def _no_replay() -> Any:
+    """Switch the reference's replay of the step's random state off (restored by calling the result)."""
+    from mcore_compat.selfcheck.rng_replay import RngReplay
+
+    real = RngReplay.replay
+    RngReplay.replay = lambda self, chunk, microbatch: False  # type: ignore[method-assign]
+
+    def undo() -> None:
+        RngReplay.replay = real  # type: ignore[method-assign]
+
+    return undo
+
+
+def _rng_after_unchecked(chunks: list[Any], optimizer: Any, opts: Any, before: Any, batches: list[Any]) -> Any:
+    """The random state a plain step (``forward_backward``, nothing checked) leaves when it starts from
+    ``before``: what the random streams must be after ``check_training_step`` too."""
+    from mcore_compat import training
+    from mcore_compat.selfcheck import models
+    from mcore_compat.selfcheck.rng_replay import capture, restore
+
+    restore(before)
+    training.zero_grad_buffer(chunks, optimizer)
+    training.forward_backward(models.forward_step(opts), iter(batches), chunks[0], models.MICROBATCHES,
+                              seq_length=models.SEQ, micro_batch_size=models.MICRO_BATCH, check_hooks=False)
+    return capture()
+
+
 def run_case(case: str) -> dict[str, Any]:
     """One case on this rank; returns the merged report's verdicts ``{check name: status}`` and ``ok``."""
     from mcore_compat import patches
@@ -66,7 +101,7 @@ def run_case(case: str) -> dict[str, Any]:
 
     pp, dtype, reference = CASES[case]
     opts = SelfCheckOptions(nproc=2, tp=1, pp=pp, dp=2 // pp, device="cpu", model="gpt", dtype=dtype,
-                            seed=7).resolved()
+                            seed=7, dropout=DROPOUT if "dropout" in case else 0.0).resolved()
     ps = symbols.resolve("parallel_state")
     models.init_parallel(opts)
     import torch
@@ -89,13 +124,26 @@ def run_case(case: str) -> dict[str, Any]:
     if case.startswith("step-"):
         _wrap_step(optimizer, chunks, case, ps.get_data_parallel_rank())
     batches = models.make_batches(opts, ps.get_data_parallel_rank())
-    report = check_training_step(chunks, optimizer, models.forward_step(opts), iter(batches),
-                                 num_microbatches=models.MICROBATCHES, seq_length=models.SEQ,
-                                 micro_batch_size=models.MICRO_BATCH, binding=binding, reference=reference)
+    from mcore_compat.selfcheck.rng_replay import capture
+
+    undo = _no_replay() if case == "dropout-no-replay" else None
+    before = capture()
+    try:
+        report = check_training_step(chunks, optimizer, models.forward_step(opts), iter(batches),
+                                     num_microbatches=models.MICROBATCHES, seq_length=models.SEQ,
+                                     micro_batch_size=models.MICRO_BATCH, binding=binding, reference=reference)
+    finally:
+        if undo is not None:
+            undo()
+    after = capture()
+    rng_as_unchecked = None
+    if case == "good-dropout":
+        rng_as_unchecked = after.same_as(_rng_after_unchecked(chunks, optimizer, opts, before, batches))
     models.release_chunks(chunks)
     ps.destroy_model_parallel()
     return {"ok": report.ok, "checks": {c.name: c.status for c in report.checks}, "text": report.render(),
-            "settings": report.settings}
+            "settings": report.settings, "rng_as_unchecked": rng_as_unchecked,
+            "rng_moved": not after.same_as(before)}
 
 
 def run_all() -> dict[str, dict[str, Any]]:

@@ -259,6 +259,8 @@ def own_model(rank_group: Group) -> dict[str, dict]:
 #: case -> (report ok, checks that must fail, checks that must not apply)
 OWN_MODEL = {
     "good": (True, set(), set()),
+    "good-dropout": (True, set(), set()),
+    "dropout-no-replay": (False, {"grads_match_reference"}, set()),
     "good-bf16": (True, set(), set()),
     "good-pp2": (True, set(), set()),
     "good-no-reference": (True, set(), {"grads_match_reference"}),
@@ -286,6 +288,13 @@ def test_check_training_step_on_own_model(own_model: dict[str, dict], case: str)
         assert statuses["pipeline_gather_matches"] == "PASS"
     if case == "good":
         assert result["settings"]["reference_bytes"] > 0 and result["settings"]["snapshot_bytes"] > 0
+    if case == "good-dropout":
+        # the reference replayed the step's dropout masks, and put the random state back where the step left it:
+        # the same as after the same step unchecked (the step itself moved it: dropout drew masks)
+        assert statuses["grads_match_reference"] == "PASS", result["text"]
+        assert result["rng_moved"] and result["rng_as_unchecked"] is True, result
+    if case == "dropout-no-replay":
+        assert {n for n, s in statuses.items() if s == "FAIL"} == {"grads_match_reference"}, result["text"]
 
 
 def test_tied_embedding_with_biases_trains_or_is_refused_before_anything_is_built(rank_group: Group) -> None:

@@ -17,7 +17,8 @@ EXIT_USAGE = 2
 EXIT_ENVIRONMENT = 3
 
 #: Options that pick one configuration; ``--sweep`` runs its own list and refuses them.
-_CONFIG_FLAGS = ("tp", "pp", "dp", "vpp", "sequence_parallel", "overlap", "experts", "ep", "distributed_optimizer")
+_CONFIG_FLAGS = ("tp", "pp", "dp", "vpp", "sequence_parallel", "overlap", "experts", "ep", "distributed_optimizer",
+                 "dropout")
 
 
 def add_parser(sub: Any) -> None:
@@ -51,6 +52,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default 1)")
     p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True,
                    help="use the distributed optimizer (default: on)")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="hidden and attention dropout of the GPT (default 0: off); the gradient reference replays "
+                        "the step's random state, so it draws the same masks")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--grad-reduce-in-fp32", action=argparse.BooleanOptionalAction, default=None,
                    help="keep and reduce gradients in fp32 (default: on for bf16)")
@@ -82,8 +86,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--sweep", action="store_true",
                    help="run the standard configurations in one process group of --nproc ranks (default 2; the "
                         "options that pick one configuration, --tp/--pp/--dp/--vpp/--ep/--experts/--overlap/"
-                        "--sequence-parallel/--no-distributed-optimizer, are refused): DP=N with the distributed "
-                        "optimizer on and off, TP=N with sequence parallelism, PP=N with tied embeddings, PP=N with "
+                        "--sequence-parallel/--dropout/--no-distributed-optimizer, are refused): DP=N with the "
+                        "distributed optimizer on and off, TP=N with sequence parallelism (without and with "
+                        "dropout), PP=N with tied embeddings, PP=N with "
                         "virtual stages, overlapped DP, MoE with expert parallelism (those the release can run); "
                         "what the test matrix runs on every release")
     p.add_argument("-v", "--verbose", action="store_true",
@@ -103,7 +108,7 @@ def _options(args: argparse.Namespace) -> Any:
                             grad_reduce_in_fp32=args.grad_reduce_in_fp32, bind=args.bind, device=args.device,
                             model=args.model, steps=args.steps, lr=args.lr, weight_decay=args.weight_decay,
                             clip_grad=args.clip_grad, seed=args.seed, timeout=args.timeout, fault=args.fault,
-                            offload_cycles=args.offload_cycles or 0)
+                            offload_cycles=args.offload_cycles or 0, dropout=args.dropout)
 
 
 def _error(message: str) -> None:

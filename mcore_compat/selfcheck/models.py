@@ -185,8 +185,8 @@ def transformer_config(opts: SelfCheckOptions) -> Any:
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         sequence_parallel=bool(opts.sequence_parallel) and opts.model == "gpt",
         use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=opts.dtype == "bf16",
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False,
-        bias_dropout_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        add_bias_linear=False, hidden_dropout=opts.dropout, attention_dropout=opts.dropout,
+        masked_softmax_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         bias_activation_fusion=False, bias_gelu_fusion=False, apply_rope_fusion=False,
         **_moe_fields(opts),
     )

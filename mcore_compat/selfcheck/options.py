@@ -80,6 +80,8 @@ class SelfCheckOptions:
             between the steps, each proved (memory freed, everything back in place, host buffers reused) and
             followed by a verified step; even cycles move params, grads and optimizer state, odd ones keep the
             params (needs steps >= 2; :func:`~.runner.standard_sweep` runs 2).
+        dropout: the GPT's hidden and attention dropout probability (0 = off, the default); the gradient
+            reference replays the real step's random state, so it draws the same masks.
     """
 
     nproc: int | None = None
@@ -107,6 +109,7 @@ class SelfCheckOptions:
     decoupled_weight_decay: bool = True
     grad_reduce_in_fp32: bool | None = None
     offload_cycles: int = 0
+    dropout: float = 0.0
 
     def world_size(self) -> int:
         """The world size these options run on."""
@@ -175,6 +178,10 @@ class SelfCheckOptions:
             raise UsageError(f"--ep {ep} needs --experts divisible by it and dividing tp*dp = {tp * dp}")
         if self.experts and self.model != "gpt":
             raise UsageError("--experts needs --model gpt")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UsageError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.dropout and self.model != "gpt":
+            raise UsageError("--dropout needs --model gpt")
         if self.weight_decay < 0 or self.clip_grad < 0 or self.lr < 0:
             raise UsageError("--lr, --weight-decay and --clip-grad must be >= 0")
         fp32_grads = self.grad_reduce_in_fp32 if self.grad_reduce_in_fp32 is not None else self.dtype == "bf16"
@@ -191,6 +198,8 @@ class SelfCheckOptions:
             parts.append(f"vpp{self.vpp}")
         if self.experts:
             parts.append(f"moe{self.experts}-ep{self.ep or 1}")
+        if self.dropout:
+            parts.append(f"drop{self.dropout:g}")
         if self.overlap:
             parts.append("overlap")
         parts.append("distopt" if self.distributed_optimizer else "plain")

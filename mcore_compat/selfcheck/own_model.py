@@ -15,7 +15,9 @@ reference (:mod:`~mcore_compat.selfcheck.verify`): the finalized gradients equal
 of the model on the same micro-batches, reduced by hand; each main param's update equals the optimizer's own
 rule recomputed in float64 from the pre-step state; the reported gradient norm equals the one recomputed here;
 model params equal the main params cast to the model dtype; replicated params are bit-identical over their
-groups; and the hooks, DDP's param buffer and the binding are intact.
+groups; and the hooks, DDP's param buffer and the binding are intact. With dropout, the reference's forwards
+replay the random state each real forward started from (the same masks), and the random state after the check is
+the one the step left, as without the check.
 
 Cost: the copy is one more model in memory (its parameters and buffers, and a gradient and a bound per
 parameter while the reference runs) plus one more forward and backward; the pre-step snapshot of the main
@@ -112,7 +114,8 @@ def check_training_step(
     verifier.before_step()
     training.zero_grad_buffer(chunks, optimizer)
     model = chunks if len(chunks) > 1 else chunks[0]
-    stored = training.forward_backward(forward_step_func, _iterators(batches, as_list), model, num_microbatches,
+    stored = training.forward_backward(verifier.recording(forward_step_func), _iterators(batches, as_list), model,
+                                       num_microbatches,
                                        seq_length=seq_length, micro_batch_size=micro_batch_size,
                                        check_hooks=False, **schedule_kwargs)
     verifier.after_backward(forward_step_func, batches, num_microbatches, stored)

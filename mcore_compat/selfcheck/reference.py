@@ -27,6 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import rng_replay
+from .rng_replay import RngReplay
+
 __all__ = ["GradReference", "PlainReference", "unwrap_ddp"]
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64", "int64")
@@ -137,8 +140,13 @@ class PlainReference:
     # -------------------------------------------------------------------------------------------- pipeline
     def run(self, forward_step_func: Callable[..., Any], batches: Sequence[Sequence[Any] | None],
             num_microbatches: int,
-            *, loss_scale: float = 1.0) -> GradReference:
+            *, loss_scale: float = 1.0, rng: RngReplay | None = None) -> GradReference:
         """The reference gradients of one step (collective over every rank of the run).
+
+        With ``rng``, each forward first restores the random state the real step's forward of the same chunk
+        and micro-batch started from (the same dropout masks). Either way the random state is the same after
+        this call as before it: checking a step leaves the random streams of the training that follows as an
+        unchecked step would.
 
         Args:
             forward_step_func: the same ``forward_step_func(data_iterator, model)`` the schedule gets.
@@ -146,7 +154,16 @@ class PlainReference:
                 ``None`` for a chunk whose stage reads no data (its forward step gets ``None``).
             num_microbatches: micro-batches per step.
             loss_scale: the optimizer's loss scale (the schedule multiplies the loss by it before backward).
+            rng: the states recorded during the real step (:class:`~.rng_replay.RngReplay`).
         """
+        left = rng_replay.capture()
+        try:
+            return self._run(forward_step_func, batches, num_microbatches, loss_scale, rng)
+        finally:
+            rng_replay.restore(left)
+
+    def _run(self, forward_step_func: Callable[..., Any], batches: Sequence[Sequence[Any] | None],
+             num_microbatches: int, loss_scale: float, rng: RngReplay | None) -> GradReference:
         import torch
 
         self.sync()
@@ -157,7 +174,7 @@ class PlainReference:
         per_token: list[Any] = []
         iters = [None if b is None else iter(b) for b in batches]
         stages = g.pp * len(self.copies)
-        for _mb in range(num_microbatches):
+        for mb in range(num_microbatches):
             saved: dict[int, tuple[Any, Any]] = {}
             for stage in range(stages):
                 if stage % g.pp != g.pp_rank:
@@ -169,6 +186,8 @@ class PlainReference:
                 if stage > 0:
                     x = g.recv_stage(stage - 1).requires_grad_()
                 _set_input_tensor(model, x)
+                if rng is not None:
+                    rng.replay(chunk, mb)
                 output, loss_func = forward_step_func(iters[chunk], model)
                 if stage == stages - 1:
                     result = loss_func(output)

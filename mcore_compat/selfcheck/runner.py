@@ -231,7 +231,8 @@ def standard_sweep(nproc: int = 2, *, with_skipped: bool = False, **common: Any)
     e.g. ``dtype="bf16"``; ``bind=True`` and two offload/reload cycles between the first two steps,
     a full one and one that keeps the params, ``offload_cycles=2``, unless it says otherwise):
 
-    data parallel with the distributed optimizer on and off; tensor parallel with sequence parallelism;
+    data parallel with the distributed optimizer on and off; tensor parallel with sequence parallelism, without
+    and with dropout (0.1 hidden and attention, at most 2 steps: the reference replays the step's dropout masks);
     pipeline parallel with tied embeddings (binding + pipeline gather); pipeline parallel with two virtual stages
     per rank; data parallel with overlapped gradient reduction and parameter gather; MoE with expert
     parallelism. Configurations the installed release cannot run (:func:`~.models.unsupported_reason`) are left
@@ -245,6 +246,8 @@ def standard_sweep(nproc: int = 2, *, with_skipped: bool = False, **common: Any)
     if nproc > 1:
         candidates += [
             SelfCheckOptions(tp=nproc, pp=1, distributed_optimizer=True, sequence_parallel=True, **common),
+            SelfCheckOptions(tp=nproc, pp=1, distributed_optimizer=True, sequence_parallel=True,
+                             **{**common, "dropout": 0.1, "steps": min(2, common.get("steps", 2))}),
             SelfCheckOptions(tp=1, pp=nproc, distributed_optimizer=True, **common),
             SelfCheckOptions(tp=1, pp=nproc, vpp=2, distributed_optimizer=True, **common),
             SelfCheckOptions(tp=1, pp=1, distributed_optimizer=True, overlap=True, **common),

@@ -6,7 +6,10 @@ Around each step (``zero_grad_buffer``, ``forward_backward``, ``optimizer_step``
 
 * ``grads_match_reference``: the finalized gradients (DDP's ``main_grad`` after ``finalize_model_grads``, the
   part the optimizer reads) equal a plain-autograd reference of the same micro-batches at the same weights,
-  reduced by hand (:mod:`.reference`), within the bound of reordered sums;
+  reduced by hand (:mod:`.reference`), within the bound of reordered sums; with dropout, each reference forward
+  replays the random state the real forward of the same chunk and micro-batch started from
+  (:mod:`.rng_replay`; wrap the real step's ``forward_step_func`` with :meth:`StepVerifier.recording`), and
+  where that cannot reproduce the masks (TransformerEngine's attention dropout) the check is not applicable;
 * ``grad_norm_matches_reference``: the norm the optimizer reports equals the norm of those gradients
   recomputed here (tensor-parallel shards once, replicated params once, the tied copy once);
 * ``update_matches_optimizer_rule``: every main param and its moments after the step equal the optimizer's
@@ -40,6 +43,7 @@ from .invariants import compare_replicas, global_grad_norm
 from .oracle import BOUND_TEXT, Rule, expected_step, rule_of
 from .reference import GradReference, PlainReference, core_module
 from .report import Check
+from .rng_replay import RngReplay, unreplayable_reason
 
 __all__ = ["StepVerifier", "named_trainable"]
 
@@ -161,6 +165,9 @@ class StepVerifier:
         self.reference: PlainReference | None = None
         self.reference_bytes = 0
         self.snapshot_bytes = 0
+        self.rng = RngReplay(self.chunks)
+        #: why the reference cannot draw the step's dropout masks (then no gradient comparison), or ``None``
+        self.unreplayable = unreplayable_reason(self.chunks) if reference else None
         if reference:
             self.reference = PlainReference(self.chunks, self.groups, _grad_dtype, per_token_loss=per_token_loss)
             self.reference_bytes = self.reference.nbytes()
@@ -213,6 +220,11 @@ class StepVerifier:
                       {"not_covered": bad, "start_differs": start_diff})]
 
     # ------------------------------------------------------------------------------------------- steps
+    def recording(self, forward_step_func: Callable[..., Any]) -> Callable[..., Any]:
+        """The ``forward_step_func`` to give the real step: it records the random state before each micro-batch's
+        forward, for the reference to replay (the same dropout masks)."""
+        return self.rng.recording(forward_step_func)
+
     def before_step(self) -> None:
         """Snapshot main params, state and param groups (and prove nothing changed them since the last step)."""
         self._loss_scale = self.view.loss_scale() if not self.view.unsupported else 1.0
@@ -232,6 +244,7 @@ class StepVerifier:
             self._pre[id(mp)] = _Pre(mp.main.detach().float().clone(), _clone_state(_state_of(mp)),
                                      None if mp.group is None else {k: mp.group[k] for k in _HYPER_KEYS
                                                                     if k in mp.group})
+        self.rng.start_step()
         self.snapshot_bytes = sum(_nbytes(pre.p0) + sum(_nbytes(v) for v in pre.state0.values())
                                   for pre in self._pre.values())
 
@@ -244,9 +257,10 @@ class StepVerifier:
             self._pre[id(mp)].grad = None if g is None else g.detach().clone()
             self.snapshot_bytes += _nbytes(self._pre[id(mp)].grad)
         self._replicas(f"step {self.step_index}")
-        if self.reference is None or forward_step_func is None:
+        if self.reference is None or forward_step_func is None or self.unreplayable:
             return
-        ref = self.reference.run(forward_step_func, batches, num_microbatches, loss_scale=self._loss_scale)
+        ref = self.reference.run(forward_step_func, batches, num_microbatches, loss_scale=self._loss_scale,
+                                 rng=self.rng)
         self._compare_grads(ref)
         self._compare_losses(ref, losses)
 
@@ -466,6 +480,8 @@ class StepVerifier:
         tl = self.tally
         if self.reference is None:
             out.append(Check.not_applicable("grads_match_reference", "no reference copy (reference=False)"))
+        elif self.unreplayable:
+            out.append(Check.not_applicable("grads_match_reference", self.unreplayable))
         else:
             out.append(_verdict("grads_match_reference", tl["grads"],
                                 f"{steps} step(s): finalized gradients vs a plain-autograd reference, worst "
