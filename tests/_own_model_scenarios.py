@@ -23,6 +23,8 @@ CASES = {
     "step-perturb-rank1": (1, "fp32", False),
     "step-group-lr": (1, "fp32", False),
     "step-zero-half-grad": (1, "fp32", False),
+    "step-maximize": (1, "fp32", False),
+    "step-swap-betas": (1, "bf16", False),
 }
 
 
@@ -53,6 +55,12 @@ def _wrap_step(optimizer: Any, chunks: list[Any], case: str, dp_rank: int) -> No
             elif case == "step-zero-half-grad":
                 _, p = next((n, p) for n, p in named if p.dim() == 2)
                 p.main_grad.view(-1)[: p.numel() // 2].zero_()
+            elif case == "step-maximize":  # every update up the gradient
+                for group in optimizer.param_groups:
+                    group["maximize"] = True
+            elif case == "step-swap-betas":
+                for group in optimizer.param_groups:
+                    group["betas"] = tuple(reversed(group["betas"]))
         return real(*args, **kwargs)
 
     optimizer.step = faulty

@@ -271,6 +271,9 @@ OWN_MODEL = {
     "step-perturb-rank1": (False, {"update_matches_optimizer_rule"}, {"grads_match_reference"}),
     "step-group-lr": (False, {"update_matches_optimizer_rule"}, {"grads_match_reference"}),
     "step-zero-half-grad": (False, {"update_matches_optimizer_rule"}, {"grads_match_reference"}),
+    # the groups changed inside the step: the rule's settings come from the optimizer's config, not the groups
+    "step-maximize": (False, {"update_matches_optimizer_rule"}, {"grads_match_reference"}),
+    "step-swap-betas": (False, {"update_matches_optimizer_rule"}, {"grads_match_reference"}),
 }
 
 
