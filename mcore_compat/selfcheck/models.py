@@ -112,9 +112,10 @@ def unsupported_reason(opts: SelfCheckOptions) -> str | None:
             return f"{req.feature}: {where} (installed {detect().version}); {req.why}"
     if not opts.decoupled_weight_decay and "decoupled_weight_decay" not in fields_in("OptimizerConfig",
                                                                                       detect().version):
-        return (f"Adam with L2 (coupled) weight decay: megatron-core {detect().version}'s OptimizerConfig has no "
-                f"decoupled_weight_decay (0.15+); its Adam is torch AdamW or FusedAdam in AdamW mode "
-                f"(optimizer/__init__.py), always decoupled")
+        adam = ("Megatron's Adam is torch AdamW or FusedAdam in AdamW mode (optimizer/__init__.py)"
+                if has("core_optimizer") else "mcore_compat's optimizer for 0.4/0.5 is torch AdamW")
+        return (f"Adam with L2 (coupled) weight decay: megatron-core {detect().version} has no "
+                f"OptimizerConfig.decoupled_weight_decay (0.15+); {adam}, always decoupled")
     return None
 
 

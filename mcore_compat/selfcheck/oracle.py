@@ -43,6 +43,9 @@ U32 = 2.0**-24
 BOUND_TEXT = {
     "adam": "per element |p' - p'_rule| <= 2^-24*(2|p| + |p'| + 12|d| + 6D) (fp32 rounding of Adam's operations; "
             "d = the update, D = the update of the moments' term magnitudes)",
+    "adam-l2": "per element |p' - p'_rule| <= 2^-24*(2|p| + |p'| + 12|d| + 7D_lo) + s|m'|(1/den_lo - 1/den) (fp32 "
+               "rounding of Adam with L2 decay: the decayed gradient g + wd*p bounded by its terms' magnitudes, "
+               "the denominator at its smallest)",
     "sgd": "per element |p' - p'_rule| <= 2^-24*(2|p| + |p'| + 6(|d| + D)) (fp32 rounding of SGD's operations)",
 }
 

@@ -370,7 +370,8 @@ class StepVerifier:
             rule = conf.rule
             hyper = conf.hyper(mp.name, mp.model, pre.group, self._decays.get(id(mp), True),
                                self._eps_built.get(id(mp)))
-            self.rule_text = f"{BOUND_TEXT.get(rule.kind, '')}; hyper-parameters: {conf.sources}"
+            bound_key = "adam-l2" if rule.kind == "adam" and not rule.decoupled else rule.kind
+            self.rule_text = f"{BOUND_TEXT.get(bound_key, '')}; hyper-parameters: {conf.sources}"
             if not update_successful:
                 t.see(0.0, mp.name, after.numel())
                 if not torch.equal(after.float(), pre.p0.reshape(-1)):
