@@ -28,7 +28,7 @@ SELFCHECK_ARGS = ("self-check", "--nproc", "2", "--sweep", "--device", "cpu", "-
 MYPY_PATHS = ("mcore_compat", "patches", "ci")
 _STARTUP_CHECK = Path(__file__).resolve().parent / "startup_check.py"
 _SELFCHECK_KEYS = ("tp", "pp", "dp", "vpp", "sequence_parallel", "tie_embeddings", "overlap", "experts", "ep",
-                   "distributed_optimizer", "bind", "dtype", "dropout")
+                   "distributed_optimizer", "bind", "dtype", "dropout", "bias")
 #: What a job turns into a failed result instead of raising.
 _JOB_ERRORS = (JobError, subprocess.CalledProcessError, OSError)
 

@@ -182,6 +182,7 @@ def legacy_tied_refusal() -> str | None:
     symbols.resolve("parallel_state").destroy_model_parallel()
     return message
 
+
 def tied_bias_buckets() -> dict[str, Any]:
     """PP=2, tied embeddings, linear biases, the distributed optimizer (the model a user hit an AssertionError
     inside Megatron with on 0.12.3): ``wrap_ddp`` either refuses on every stage before building anything, or DDP

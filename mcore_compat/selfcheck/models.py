@@ -168,11 +168,11 @@ def transformer_config(opts: SelfCheckOptions) -> Any:
     """The TransformerConfig of ``opts`` (fusions off: they need CUDA kernels or apex). Fields the installed
     release does not have are left out; the capability table says which releases run what.
 
-    No biases in the linear layers: then every stretch of parameters before the tied input embedding of a
-    pipeline stage is a multiple of 128 elements. With the distributed optimizer, 0.7-0.12 pad the bucket before
-    a pipeline-shared embedding to 128 elements but start the embedding's own bucket at the unpadded index
-    (distributed/param_and_grad_buffer.py; fixed in 0.13), and the DistributedOptimizer then refuses the layout
-    ("each param only belongs to a single bucket").
+    Linear biases only with ``opts.bias``. With them, the stretch of parameters before a stage's tied input
+    embedding can end off a multiple of 128 elements; with the distributed optimizer, 0.7-0.12 then lay the
+    embedding over two buckets (distributed/param_and_grad_buffer.py; fixed in 0.13) and ``wrap_ddp`` refuses
+    the model before building it (:mod:`mcore_compat.training.tied_buckets`). The self-check's two layers per
+    stage end on a multiple of 128 elements with biases too, so every release trains them.
     """
     import torch
 
@@ -186,7 +186,7 @@ def transformer_config(opts: SelfCheckOptions) -> Any:
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         sequence_parallel=bool(opts.sequence_parallel) and opts.model == "gpt",
         use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=opts.dtype == "bf16",
-        add_bias_linear=False, hidden_dropout=opts.dropout, attention_dropout=opts.dropout,
+        add_bias_linear=opts.bias, hidden_dropout=opts.dropout, attention_dropout=opts.dropout,
         masked_softmax_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         bias_activation_fusion=False, bias_gelu_fusion=False, apply_rope_fusion=False,
         **_moe_fields(opts),

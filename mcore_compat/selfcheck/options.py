@@ -82,6 +82,9 @@ class SelfCheckOptions:
             params (needs steps >= 2; :func:`~.runner.standard_sweep` runs 2).
         dropout: the GPT's hidden and attention dropout probability (0 = off, the default); the gradient
             reference replays the real step's random state, so it draws the same masks.
+        bias: the GPT's linear layers have biases (``add_bias_linear``; off by default). With a tied embedding
+            and the distributed optimizer on 0.7-0.12 some sizes are refused before anything is built
+            (:mod:`mcore_compat.training.tied_buckets`); the standard sweep's PP configuration uses biases.
     """
 
     nproc: int | None = None
@@ -110,6 +113,7 @@ class SelfCheckOptions:
     grad_reduce_in_fp32: bool | None = None
     offload_cycles: int = 0
     dropout: float = 0.0
+    bias: bool = False
 
     def world_size(self) -> int:
         """The world size these options run on."""
@@ -200,6 +204,8 @@ class SelfCheckOptions:
             parts.append(f"moe{self.experts}-ep{self.ep or 1}")
         if self.dropout:
             parts.append(f"drop{self.dropout:g}")
+        if self.bias:
+            parts.append("bias")
         if self.overlap:
             parts.append("overlap")
         parts.append("distopt" if self.distributed_optimizer else "plain")

@@ -233,14 +233,19 @@ def standard_sweep(nproc: int = 2, *, with_skipped: bool = False, **common: Any)
 
     data parallel with the distributed optimizer on and off; tensor parallel with sequence parallelism, without
     and with dropout (0.1 hidden and attention, at most 2 steps: the reference replays the step's dropout masks);
-    pipeline parallel with tied embeddings (binding + pipeline gather); pipeline parallel with two virtual stages
-    per rank; data parallel with overlapped gradient reduction and parameter gather; MoE with expert
+    pipeline parallel with tied embeddings (binding + pipeline gather), with linear biases where the release lays
+    a tied embedding out in one bucket whatever the sizes (0.13+, and 0.4/0.5 that have no such bucket; on
+    0.6-0.12 some sizes are refused before building, :mod:`mcore_compat.training.tied_buckets`, which a test proves);
+    pipeline parallel with two virtual stages per rank; data parallel with overlapped gradient reduction and parameter gather; MoE with expert
     parallelism. Configurations the installed release cannot run (:func:`~.models.unsupported_reason`) are left
     out; with ``with_skipped=True`` the result is ``(configs, [(label, reason), ...])``.
     """
+    from ..detect import detect
+    from ..training.tied_buckets import can_straddle
     from . import models
 
     common = {"bind": True, "offload_cycles": 2, **common}
+    biased = not can_straddle(detect().version)
     candidates = [SelfCheckOptions(tp=1, pp=1, distributed_optimizer=True, **common),
                   SelfCheckOptions(tp=1, pp=1, distributed_optimizer=False, **common)]
     if nproc > 1:
@@ -248,7 +253,7 @@ def standard_sweep(nproc: int = 2, *, with_skipped: bool = False, **common: Any)
             SelfCheckOptions(tp=nproc, pp=1, distributed_optimizer=True, sequence_parallel=True, **common),
             SelfCheckOptions(tp=nproc, pp=1, distributed_optimizer=True, sequence_parallel=True,
                              **{**common, "dropout": 0.1, "steps": min(2, common.get("steps", 2))}),
-            SelfCheckOptions(tp=1, pp=nproc, distributed_optimizer=True, **common),
+            SelfCheckOptions(tp=1, pp=nproc, distributed_optimizer=True, **{**common, "bias": biased}),
             SelfCheckOptions(tp=1, pp=nproc, vpp=2, distributed_optimizer=True, **common),
             SelfCheckOptions(tp=1, pp=1, distributed_optimizer=True, overlap=True, **common),
             SelfCheckOptions(tp=1, pp=1, distributed_optimizer=True, experts=nproc, ep=nproc, **common),

@@ -23,8 +23,9 @@ release) is looked up by `mcore-compat doctor`, which names the nearest tested r
 
 **CPU**: the release's nox session (pytest counts) and its `mcore-compat self-check --nproc 2 --sweep --bind`
 (the standard configurations the release can run: DP=2 with the distributed optimizer on and off, TP=2 with
-sequence parallelism, PP=2 with tied embeddings, PP=2 with virtual stages, overlapped DP, MoE with expert
-parallelism; each with two offload/reload cycles between its first two steps), on gloo. **Faults caught**: the
+sequence parallelism, the same with dropout 0.1, PP=2 with tied embeddings and linear biases, PP=2 with
+virtual stages, overlapped DP, MoE with expert parallelism; each with two offload/reload cycles between its
+first two steps), on gloo. **Faults caught**: the
 fault-injection suite (`tests/test_selfcheck_real.py`), every fault that can exist on the release injected where
 the real bug acts, in fp32 and bf16 (the offload faults in bf16); a fault counts as caught when the self-check
 FAILS naming the right check (and the clean configurations PASS). **GPU**: `scripts/gpu_matrix.py` on NVIDIA

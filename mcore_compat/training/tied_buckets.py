@@ -22,10 +22,20 @@ from packaging.version import Version
 
 from ..errors import UnsupportedVersionError
 
-__all__ = ["check_tied_buckets", "straddling_params"]
+__all__ = ["can_straddle", "check_tied_buckets", "straddling_params"]
 
 #: The ``shared_embedding_split`` modes that can start a shared-embedding param inside the bucket before it.
 _CAN_STRADDLE = ("close_at_start", "dp_align_then_close")
+
+
+def can_straddle(version: Version) -> bool:
+    """Whether ``version`` may lay a tied embedding over two buckets (with the distributed optimizer, for some
+    sizes): the fact ``shared_embedding_split`` is one of the modes that close the bucket before the weight
+    without starting the weight at the bucket's padded end (0.6-0.12; 0.6 pads to the DP size only, so it never
+    does in practice, but its rule is the same)."""
+    from ..layout import layout_fact
+
+    return layout_fact("shared_embedding_split", version) in _CAN_STRADDLE
 
 
 def straddling_params(layout: Any) -> list[tuple[str, int, int]]:
