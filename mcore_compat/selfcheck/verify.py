@@ -71,6 +71,33 @@ class _Tally:
     failures: list[str] = field(default_factory=list)
     applicable: bool = False
     note: str = ""
+    #: elements by the power of two of their bound relative to the param's value (``bound / |p'|``): how small a
+    #: deviation from the rule each element could show (:meth:`resolution`)
+    resolution_bins: dict[int, int] = field(default_factory=dict)
+
+    def see_resolution(self, bound: Any, value: Any) -> None:
+        """Count the elements of one block by ``log2(bound / |value|)`` (elements whose value is 0 are left out)."""
+        import torch
+
+        rel = bound / value.abs()
+        rel = rel[torch.isfinite(rel) & (rel > 0)]
+        if rel.numel():
+            exps, counts = torch.unique(torch.ceil(torch.log2(rel)).to(torch.int64), return_counts=True)
+            for e, c in zip(exps.tolist(), counts.tolist(), strict=True):
+                self.resolution_bins[e] = self.resolution_bins.get(e, 0) + c
+
+    def resolution(self, quantile: float) -> float | None:
+        """The relative change per element (``|p'_seen - p'_rule| / |p'|``) below which the check could not have
+        told a deviation from rounding, at ``quantile`` of the elements (to a factor of 2, from above)."""
+        total = sum(self.resolution_bins.values())
+        if not total:
+            return None
+        seen = 0
+        for e in sorted(self.resolution_bins):
+            seen += self.resolution_bins[e]
+            if seen >= quantile * total:
+                return float(2.0**e)
+        return None
 
     def see(self, ratio: float, where: str, n: int) -> None:
         self.applicable = True
@@ -97,6 +124,17 @@ def _clone_state(state: dict[str, Any]) -> dict[str, Any]:
     for k, v in state.items():
         out[k] = v.detach().clone() if hasattr(v, "detach") else v
     return out
+
+
+def _resolution_text(tally: _Tally) -> str:
+    """``"; resolution: ..."``: the smallest relative change per element the update check could have seen in this
+    run (median and 90th percentile of ``bound / |p'|``), so a user can tell whether an effect (weight decay at
+    lr 1e-6 moves a param by 1e-7 of its value) was within reach; ``""`` when nothing was compared."""
+    median, high = tally.resolution(0.5), tally.resolution(0.9)
+    if median is None or high is None:
+        return ""
+    return (f"; resolution: a main param off the rule by more than {median:.2g} of its value is seen (median "
+            f"element; {high:.2g} at the 90th percentile)")
 
 
 def _ratio(err: Any, bound: Any) -> tuple[float, int]:
@@ -390,6 +428,7 @@ class StepVerifier:
                 state0 = {k: (v.reshape(-1)[lo:hi] if _is_tensor(v) and v.dim() else v)
                           for k, v in pre.state0.items()}
                 p1, state1, bound = expected_step(rule, hyper, p0, grad, state0)
+                t.see_resolution(bound, p1)
                 got = mp.main.detach().reshape(-1)[lo:hi].double()
                 err = (got - p1).abs()
                 ratio, over = _ratio(err, bound)
@@ -505,8 +544,8 @@ class StepVerifier:
             out.append(_verdict("update_matches_optimizer_rule", tl["update"],
                                 f"{steps} step(s), {tl['update'].elements} main elements: worst "
                                 f"{tl['update'].worst:.3g} of the bound; {self.rule_text}; last "
-                                f"clip coefficient {clip:.4g}" + (f"; {tl['update'].note}" if tl["update"].note
-                                                                    else ""),
+                                f"clip coefficient {clip:.4g}" + _resolution_text(tl["update"])
+                                + (f"; {tl['update'].note}" if tl["update"].note else ""),
                                 tl["update"].note or "no main params on this rank"))
         out.append(_verdict("model_params_match_main", tl["model"],
                             f"{tl['model'].elements} model-param elements equal the main params cast to the model "
