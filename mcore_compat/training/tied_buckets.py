@@ -48,15 +48,6 @@ def straddling_params(layout: Any) -> list[tuple[str, int, int]]:
     return out
 
 
-def _group_size(group: Any, parallel_state: Any) -> int:
-    if group is not None:
-        return int(group.size())
-    try:
-        return int(parallel_state.get_data_parallel_world_size(with_context_parallel=True))
-    except TypeError:  # releases without context parallelism
-        return int(parallel_state.get_data_parallel_world_size())
-
-
 def _any_stage(flag: bool, ps: Any) -> bool:
     """Whether ``flag`` holds on any rank of this rank's pipeline group (every stage calls DDP: one all-reduce)."""
     import torch
@@ -89,10 +80,10 @@ def check_tied_buckets(chunk: Any, settings: Any, version: Version, *, data_para
         UnsupportedVersionError: the layout would straddle; the message names the param, the releases, the cause
             and the ways out.
     """
-    from ..layout import LAYOUT_FACTS, compute_layout, layout_fact
-    from ._common import parallel_state
+    from ..layout import LAYOUT_FACTS, compute_layout
+    from ._common import default_dp_group, parallel_state
 
-    if layout_fact("shared_embedding_split", version) not in _CAN_STRADDLE:
+    if not can_straddle(version):
         return
     if not getattr(settings, "use_distributed_optimizer", False):
         return
@@ -100,7 +91,8 @@ def check_tied_buckets(chunk: Any, settings: Any, version: Version, *, data_para
     bad: list[tuple[str, int, int]] = []
     if any(getattr(p, "shared_embedding", False) for p in chunk.parameters()):
         bad = straddling_params(compute_layout(
-            chunk.named_parameters(), version=version, dp_size=_group_size(data_parallel_group, ps),
+            chunk.named_parameters(), version=version,
+            dp_size=int((data_parallel_group or default_dp_group()).size()),
             use_distributed_optimizer=True,
             overlap_grad_reduce=bool(getattr(settings, "overlap_grad_reduce", False)),
             bucket_size=getattr(settings, "bucket_size", None),
