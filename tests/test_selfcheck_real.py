@@ -196,14 +196,19 @@ def test_clean_configurations_pass(sweep: dict[str, Report], lr: float) -> None:
                 "state_unchanged_between_steps", "training_hooks_installed", "model_params_match_main",
                 "replicas_identical", "offload_frees_memory", "reload_in_place",
                 "offload_host_memory_bounded"} <= applied, report.render()
+        # each comparison states the smallest relative deviation per element it could have seen in this run
         assert "; resolution: a main param off the rule by more than " in \
             report.check("update_matches_optimizer_rule").detail, report.render()
+        assert "; resolution: a gradient off the reference by more than " in \
+            report.check("grads_match_reference").detail, report.render()
         # the sweep's two offload cycles: a full one, then one keeping the params that reuses its host buffers
         assert "cycle 2 reused the first cycle's buffers" in report.check("offload_host_memory_bounded").detail
         # the norm is compared wherever the configuration clips; where a release cannot clip it (MoE on 0.6/0.7,
         # see capabilities' chained_optimizer_global_clip) the sweep runs without clipping and the check says why
         if report.settings["clip_grad"] > 0:
             assert "grad_norm_matches_reference" in applied, report.render()
+            assert "; resolution: a norm off the recomputed one by more than " in \
+                report.check("grad_norm_matches_reference").detail, report.render()
         else:
             assert "clip_grad = 0" in report.check("grad_norm_matches_reference").detail, report.render()
     clipped = [n for n in names if sweep[n].settings["clip_grad"] > 0]

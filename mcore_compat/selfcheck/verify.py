@@ -32,6 +32,7 @@ Checks that cannot apply say so (e.g. ``model_params_match_main`` when the model
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +87,11 @@ class _Tally:
             for e, c in zip(exps.tolist(), counts.tolist(), strict=True):
                 self.resolution_bins[e] = self.resolution_bins.get(e, 0) + c
 
+    def see_relative(self, rel: float) -> None:
+        """Count one element whose bound is ``rel`` of its value."""
+        e = math.ceil(math.log2(rel))
+        self.resolution_bins[e] = self.resolution_bins.get(e, 0) + 1
+
     def resolution(self, quantile: float) -> float | None:
         """The relative change per element (``|p'_seen - p'_rule| / |p'|``) below which the check could not have
         told a deviation from rounding, at ``quantile`` of the elements (to a factor of 2, from above)."""
@@ -126,14 +132,17 @@ def _clone_state(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _resolution_text(tally: _Tally) -> str:
-    """``"; resolution: ..."``: the smallest relative change per element the update check could have seen in this
-    run (median and 90th percentile of ``bound / |p'|``), so a user can tell whether an effect (weight decay at
-    lr 1e-6 moves a param by 1e-7 of its value) was within reach; ``""`` when nothing was compared."""
+def _resolution_text(tally: _Tally, what: str = "a main param off the rule") -> str:
+    """``"; resolution: ..."``: the smallest relative change per element a check could have seen in this run
+    (median and 90th percentile of ``bound / |value|``), so a user can tell whether an effect (weight decay at
+    lr 1e-6 moves a param by 1e-7 of its value) was within reach; ``""`` when nothing was compared.
+
+    ``what`` names what deviates (the update check: a main param off the rule; the gradient check: a gradient
+    off the reference)."""
     median, high = tally.resolution(0.5), tally.resolution(0.9)
     if median is None or high is None:
         return ""
-    return (f"; resolution: a main param off the rule by more than {median:.2g} of its value is seen (median "
+    return (f"; resolution: {what} by more than {median:.2g} of its value is seen (median "
             f"element; {high:.2g} at the 90th percentile)")
 
 
@@ -339,6 +348,7 @@ class StepVerifier:
             err = (got.float() - want).abs()
             ratio, over = _ratio(err, bound)
             t.see(ratio, f"{mp.name} step {self.step_index}", err.numel())
+            t.see_resolution(bound, want)
             if over:
                 i = int(torch.argmax(err - bound))
                 t.fail(f"step {self.step_index}: {mp.name}: {over}/{err.numel()} elements off (e.g. "
@@ -373,6 +383,8 @@ class StepVerifier:
             return
         err = abs(grad_norm - mine)
         t.see(err / bound if bound > 0 else (0.0 if err == 0 else float("inf")), f"step {self.step_index}", 1)
+        if mine and bound > 0:
+            t.see_relative(bound / abs(mine))
         t.note = t.note or f"{grad_norm:.6g} vs {mine:.6g}"
         if err > bound:
             t.fail(f"step {self.step_index}: grad norm {grad_norm:.8g} vs recomputed {mine:.8g} (bound {bound:.3g})")
@@ -526,7 +538,8 @@ class StepVerifier:
             out.append(_verdict("grads_match_reference", tl["grads"],
                                 f"{steps} step(s): finalized gradients vs a plain-autograd reference, worst "
                                 f"{tl['grads'].worst:.3g} of the bound 2(k-1)u*sum|terms| "
-                                f"({tl['grads'].where or 'every element equal'})",
+                                f"({tl['grads'].where or 'every element equal'})"
+                                + _resolution_text(tl["grads"], "a gradient off the reference"),
                                 "no gradient on this rank"))
         norm_na = self.view.unsupported or (not tl["norm"].applicable and tl["norm"].note)
         if norm_na:
@@ -535,7 +548,8 @@ class StepVerifier:
         else:
             out.append(_verdict("grad_norm_matches_reference", tl["norm"],
                                 f"reported vs recomputed norm {tl['norm'].note} (worst {tl['norm'].worst:.3g} of "
-                                f"the bound (ceil(log2 n)+T+R+4)*2^-24 relative)", "no norm"))
+                                f"the bound (ceil(log2 n)+T+R+4)*2^-24 relative)"
+                                + _resolution_text(tl["norm"], "a norm off the recomputed one"), "no norm"))
         if self.view.unsupported:
             out.append(Check.not_applicable("update_matches_optimizer_rule",
                                             f"the optimizer's main params cannot be read: {self.view.unsupported}"))
