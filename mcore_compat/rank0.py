@@ -66,7 +66,13 @@ def warn_once_rank_0(message: str, category: type[Warning] = UserWarning, stackl
     _WARNED.add(key)
     if not is_rank_0():
         return False
-    warnings.warn(message, category, stacklevel=stacklevel + 1)
+    # ``stacklevel`` counts from the caller; called from a script's top level there is no frame that far up, and
+    # Python would blame ``sys:1``: point at the outermost frame there is instead
+    depth = 0
+    frame: Any = sys._getframe(0)
+    while frame is not None:
+        depth, frame = depth + 1, frame.f_back
+    warnings.warn(message, category, stacklevel=max(1, min(stacklevel + 1, depth)))
     return True
 
 

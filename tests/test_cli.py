@@ -274,8 +274,13 @@ def test_json_to_an_unwritable_path_fails_before_the_run(work: Path, target: str
 def test_argument_errors_name_the_subcommand(work: Path) -> None:
     bogus = _cli(work, _env(), "self-check", "--bogus")
     assert bogus.returncode == 2
-    assert bogus.stderr.startswith("usage: mcore-compat self-check ")
-    assert "mcore-compat self-check: error: unrecognized arguments: --bogus" in bogus.stderr
+    # one line: what is wrong and where the usage is, not the ~20 options' usage first
+    assert bogus.stderr == ("mcore-compat self-check: error: unrecognized arguments: --bogus "
+                            "(see 'mcore-compat self-check --help')\n"), bogus.stderr
+    fp8 = _cli(work, _env(), "self-check", "--dtype", "fp8")
+    assert fp8.returncode == 2 and len(fp8.stderr.splitlines()) == 1, fp8.stderr
+    assert "argument --dtype: invalid choice: 'fp8'" in fp8.stderr
+    _no_traceback(fp8)
     sweep = _cli(work, _env(), "self-check", "--sweep", "--tp", "2")
     assert sweep.returncode == 2
     assert "--sweep runs its own configurations; drop --tp" in sweep.stderr
@@ -405,3 +410,16 @@ def test_the_ranks_warnings_are_counted_once_and_listed_with_verbose() -> None:
     full = report.render(verbose=True).splitlines()
     assert sum(same[1] in line for line in full) == 1 and sum(only_one[1] in line for line in full) == 1
     assert any(line.startswith("  FutureWarning at layers.py:278 (ranks 0, 1): ") for line in full), full
+
+
+@pytest.mark.unit
+def test_weight_decay_coupling_reaches_the_self_check_options() -> None:
+    """``--no-decoupled-weight-decay`` asks for Adam with L2 decay through the moments (the sweep proves that such a
+    run passes on 0.15+, tests/test_selfcheck_real.py); the default stays decoupled (AdamW)."""
+    from mcore_compat.cli import build_parser
+    from mcore_compat.cli.selfcheck import _options
+
+    parser = build_parser()
+    assert _options(parser.parse_args(["self-check"])).decoupled_weight_decay is True
+    coupled = _options(parser.parse_args(["self-check", "--no-decoupled-weight-decay", "--weight-decay", "0.05"]))
+    assert coupled.decoupled_weight_decay is False and coupled.weight_decay == 0.05

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +64,16 @@ def test_after_init_only_rank_zero_prints(capfd: pytest.CaptureFixture[str]) -> 
     out = capfd.readouterr()
     assert "from rank 0" in out.out and "from rank 1" not in out.out
     assert out.err.count("warned") == 1
+
+
+def test_a_warning_from_a_scripts_top_level_names_the_script(tmp_path: Path) -> None:
+    """Called from a script's top level, the warning points at the script's line, not at ``sys:1``."""
+    script = tmp_path / "train.py"
+    script.write_text("from mcore_compat import rank0\nrank0.warn_once_rank_0('bf16 without fp32 grads')\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "sys:1" not in proc.stderr and f"{script}:2: UserWarning: bf16 without fp32 grads" in proc.stderr, \
+        proc.stderr

@@ -38,3 +38,20 @@ def test_offload_cycles_are_spread_over_the_gaps_between_steps() -> None:
     assert gaps(3, 3) == [2, 1, 0]
     assert gaps(2, 2) == [2, 0]
     assert gaps(0, 3) == [0, 0, 0]
+
+
+def test_the_json_report_says_which_mcore_compat_wrote_it_and_when() -> None:
+    import datetime
+    import json
+
+    from mcore_compat._version import __version__
+    from mcore_compat.selfcheck import Report
+    from mcore_compat.selfcheck.report import Check
+
+    report = Report(settings={"tp": 1}, environment={"megatron_core": "0.16.1"})
+    report.checks.append(Check("grads_match_reference", True, "ok"))
+    data = json.loads(report.to_json())
+    assert data["mcore_compat"] == __version__ and data["environment"]["megatron_core"] == "0.16.1"
+    written = datetime.datetime.fromisoformat(data["written"])
+    assert written.tzinfo is not None
+    assert abs((datetime.datetime.now(datetime.timezone.utc) - written).total_seconds()) < 60

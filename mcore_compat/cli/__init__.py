@@ -5,10 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from .._version import __version__
 
 __all__ = ["build_parser", "main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line: what is wrong and where the usage is (argparse prints the
+    whole usage first, which buries the message under the self-check's ~20 options)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +29,7 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     """The parser and its subcommands' parsers by name."""
     from . import doctor, selfcheck
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mcore-compat",
         description="One API over every Megatron-Core release: inspect the install (doctor) and prove that "
         "training through mcore_compat updates weights correctly (self-check).",

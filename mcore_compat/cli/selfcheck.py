@@ -68,6 +68,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--weight-decay", type=float, default=0.1,
                    help="weight decay of the weights; biases and norms get none (default 0.1)")
+    p.add_argument("--decoupled-weight-decay", action=argparse.BooleanOptionalAction, default=True,
+                   help="Adam's weight decay decoupled (AdamW, the default) or, with --no-decoupled-weight-decay, "
+                        "L2 decay through the moments (OptimizerConfig.decoupled_weight_decay, 0.15+; older "
+                        "releases are refused with the reason)")
     p.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clipping threshold (0: off)")
     p.add_argument("--offload-cycles", type=int, default=None, metavar="N",
                    help="offload/reload cycles (mcore_compat.offload/reload) between the steps, each proved: "
@@ -108,7 +112,8 @@ def _options(args: argparse.Namespace) -> Any:
                             grad_reduce_in_fp32=args.grad_reduce_in_fp32, bind=args.bind, device=args.device,
                             model=args.model, steps=args.steps, lr=args.lr, weight_decay=args.weight_decay,
                             clip_grad=args.clip_grad, seed=args.seed, timeout=args.timeout, fault=args.fault,
-                            offload_cycles=args.offload_cycles or 0, dropout=args.dropout)
+                            offload_cycles=args.offload_cycles or 0, dropout=args.dropout,
+                            decoupled_weight_decay=args.decoupled_weight_decay)
 
 
 def _error(message: str) -> None:

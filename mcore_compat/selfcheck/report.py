@@ -131,8 +131,15 @@ class Report:
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        """The report as JSON (``ok`` included; every check with its ``status``)."""
-        return json.dumps({"ok": self.ok, "summary": self.summary_line(), "settings": self.settings,
+        """The report as JSON (``ok`` included; every check with its ``status``; the mcore-compat version and the UTC
+        time it was written; Megatron-Core's version is in ``environment``)."""
+        import datetime
+
+        from .._version import __version__
+
+        return json.dumps({"ok": self.ok, "summary": self.summary_line(), "mcore_compat": __version__,
+                           "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                           "settings": self.settings,
                            "environment": self.environment, "error": self.error,
                            "checks": [{**asdict(c), "status": c.status} for c in self.checks],
                            "tracebacks": {str(r): t for r, t in sorted(self.tracebacks.items())},
