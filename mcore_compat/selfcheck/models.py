@@ -380,7 +380,7 @@ def optim_config(opts: SelfCheckOptions) -> Any:
                        bf16=opts.dtype == "bf16",
                        params_dtype=torch.bfloat16 if opts.dtype == "bf16" else torch.float32,
                        use_distributed_optimizer=opts.distributed_optimizer,
-                       decoupled_weight_decay=opts.decoupled_weight_decay)
+                       decoupled_weight_decay=opts.decoupled_weight_decay, loss_scale=opts.loss_scale)
 
 
 def make_batches(opts: SelfCheckOptions, dp_rank: int) -> list[Batch]:

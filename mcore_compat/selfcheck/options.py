@@ -85,6 +85,9 @@ class SelfCheckOptions:
         bias: the GPT's linear layers have biases (``add_bias_linear``; off by default). With a tied embedding
             and the distributed optimizer on 0.7-0.12 some sizes are refused before anything is built
             (:mod:`mcore_compat.training.tied_buckets`); the standard sweep's PP configuration uses biases.
+        loss_scale: a constant loss scale (``OptimizerConfig.loss_scale``; ``None`` = none): with bf16 the
+            release's optimizer then multiplies the loss by it and unscales the gradients inside its step, as it
+            does for fp16; the checks compare against the reference with the same scale.
     """
 
     nproc: int | None = None
@@ -114,6 +117,7 @@ class SelfCheckOptions:
     offload_cycles: int = 0
     dropout: float = 0.0
     bias: bool = False
+    loss_scale: float | None = None
 
     def world_size(self) -> int:
         """The world size these options run on."""
@@ -186,6 +190,8 @@ class SelfCheckOptions:
             raise UsageError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.dropout and self.model != "gpt":
             raise UsageError("--dropout needs --model gpt")
+        if self.loss_scale is not None and not self.loss_scale > 0:
+            raise UsageError(f"loss_scale must be > 0, got {self.loss_scale}")
         if self.weight_decay < 0 or self.clip_grad < 0 or self.lr < 0:
             raise UsageError("--lr, --weight-decay and --clip-grad must be >= 0")
         fp32_grads = self.grad_reduce_in_fp32 if self.grad_reduce_in_fp32 is not None else self.dtype == "bf16"
@@ -206,6 +212,8 @@ class SelfCheckOptions:
             parts.append(f"drop{self.dropout:g}")
         if self.bias:
             parts.append("bias")
+        if self.loss_scale:
+            parts.append(f"ls{self.loss_scale:g}")
         if self.overlap:
             parts.append("overlap")
         parts.append("distopt" if self.distributed_optimizer else "plain")
