@@ -15,6 +15,7 @@ from typing import Any
 from .._optimizer_view import optimizer_view
 from . import models
 from .configured import from_options
+from .independent import IndependentReference
 from .offload_cycle import OffloadCycles
 from .options import SelfCheckOptions
 from .report import Check
@@ -336,6 +337,7 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
     verifier = StepVerifier(chunks, optimizer, reference=True, continuity=True,
                             configured=from_options(opts, no_decay))
     _inject_step_fault(opts, verifier.view)
+    independent = IndependentReference(opts, chunks, cfg, verifier.view)
     cycles = OffloadCycles(chunks, optimizer, verifier.view, opts.offload_cycles, opts.fault)
     gaps = cycles.gaps(opts.steps)
     checks.append(_param_groups_check(verifier.view, opts))
@@ -351,6 +353,7 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
                                            micro_batch_size=models.MICRO_BATCH,
                                            check_hooks=opts.fault != "no_finalize_hook")
         verifier.after_backward(models.forward_step(opts), per_chunk, models.MICROBATCHES, stored)
+        independent.step(stored, verifier.view.loss_scale() if not verifier.view.unsupported else 1.0)
         ok, norm, _zeros = training.optimizer_step(optimizer)
         verifier.after_step(ok, norm)
         if k == 0 and opts.fault == "perturb_dp_rank" and \
@@ -366,6 +369,7 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
     verifier.final_replicas()
     checks.extend(verifier.checks())
     checks.append(_loss_check(verifier))
+    checks.append(independent.check())
     checks.extend(cycles.checks())
     alias = _buffer_alias_check(chunks)
     if alias is not None:
