@@ -9,7 +9,8 @@ Sources, in the order they are trusted:
 
 Metadata that disagrees with the imported module (a source checkout on ``PYTHONPATH`` shadowing a wheel, a
 stale install) is reported once as a warning; the imported module is trusted. ``MCORE_COMPAT_VERSION=<version>``
-overrides both (with a warning when it disagrees), and names the version of a tree whose version cannot be read. No
+names the version of a tree whose version cannot be read; one that disagrees with a readable version is an error
+(:class:`~mcore_compat.errors.InvalidArgumentError` naming both), never a silent override. No
 fake "0.0.0" is ever returned: if no version can be found an error says so
 (:class:`MegatronVersionUnknownError`, which carries the path that was found).
 """
@@ -250,8 +251,11 @@ def _detect_cached() -> MegatronInfo:
         if module_version is None:
             module_version, source = forced, "MCORE_COMPAT_VERSION"
         elif forced != module_version:
-            problems.append(f"MCORE_COMPAT_VERSION={override} overrides the detected {module_version}.")
-            module_version, source = forced, "MCORE_COMPAT_VERSION"
+            # a readable version is what runs: claiming another would pick the wrong adapters and patches
+            raise InvalidArgumentError(
+                f"MCORE_COMPAT_VERSION={override} disagrees with the installed megatron-core {module_version} at "
+                f"{core_dir}; unset MCORE_COMPAT_VERSION (it names the version of a tree whose version cannot be "
+                f"read) or install megatron-core=={override}")
     if module_version is None:
         raise MegatronVersionUnknownError(
             f"found megatron-core at {core_dir}, but cannot tell the version: no distribution metadata owns it and "

@@ -160,6 +160,24 @@ def test_unreadable_version_names_the_tree_and_the_override_is_honoured(no_megat
     assert forced.stdout.splitlines()[-1].startswith("doctor: OK")
 
 
+
+@pytest.mark.unit
+def test_an_override_that_disagrees_with_a_readable_version_stops_doctor_and_self_check(
+        no_megatron: None, tmp_path: Path, work: Path) -> None:
+    """``MCORE_COMPAT_VERSION=0.8.0`` next to a readable 0.16.1: an error naming both, in doctor and in the
+    self-check's pre-flight (it used to pass doctor and fail later with a PatchRefusedError)."""
+    site = _fake_release(tmp_path / "site", "0.16.1")
+    env = _without_megatron(site, MCORE_COMPAT_VERSION="0.8.0")
+    doctor = _cli(work, env, "doctor")
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+    _no_traceback(doctor)
+    [line] = [ln for ln in doctor.stdout.splitlines() if ln.startswith("megatron-core")]
+    assert "VERSION CONFLICT: MCORE_COMPAT_VERSION=0.8.0 disagrees with the installed megatron-core 0.16.1" in line
+    check = _cli(work, env, "self-check")
+    assert check.returncode == 3, check.stdout + check.stderr
+    _no_traceback(check)
+    assert "MCORE_COMPAT_VERSION=0.8.0 disagrees with the installed megatron-core 0.16.1" in check.stderr
+
 # ---- item 3: environment errors are one message from the parent, before any rank -----------------------------------
 @pytest.mark.unit
 @pytest.mark.parametrize("case", ["missing", "0.3.0", "unreadable", "0.8.0 next to setuptools 84"])

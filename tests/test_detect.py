@@ -199,8 +199,12 @@ def test_override_env(syspath: list[str], tmp_path: Path, monkeypatch: pytest.Mo
     _tree(tmp_path, "0.16.1")
     syspath.insert(0, str(tmp_path))
     monkeypatch.setenv("MCORE_COMPAT_VERSION", "0.16.0")
-    with pytest.warns(UserWarning, match="overrides"):
-        assert mcore_compat.detect().version == Version("0.16.0")
+    # a readable version disagreeing with the variable: an error naming both, not a silent override
+    with pytest.raises(ValueError, match=r"MCORE_COMPAT_VERSION=0.16.0 disagrees with the installed megatron-core "
+                                         r"0.16.1 at .*; unset MCORE_COMPAT_VERSION"):
+        mcore_compat.detect()
+    monkeypatch.setenv("MCORE_COMPAT_VERSION", "0.16.1")  # agreeing: fine
+    assert mcore_compat.detect().version == Version("0.16.1")
 
 
 def test_versions_compare_as_versions_not_strings() -> None:

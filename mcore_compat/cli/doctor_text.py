@@ -35,7 +35,8 @@ def _megatron(report: dict[str, Any]) -> list[str]:
     m = report["megatron_core"]
     if not m["found"]:
         if m.get("version_unknown"):  # found, but its version cannot be told
-            return [_line("megatron-core", f"VERSION UNKNOWN: {m['error']}")]
+            label = "VERSION CONFLICT" if "disagrees with the installed" in str(m["error"]) else "VERSION UNKNOWN"
+            return [_line("megatron-core", f"{label}: {m['error']}")]
         return [_line("megatron-core", f"NOT FOUND: {m['error']}")]
     where = "source checkout (no metadata)" if m["checkout"] else f"distribution {m['distribution']}"
     out = [_line("megatron-core", f"{m['version']} (from {m['source']}; {where})"),
