@@ -196,6 +196,8 @@ def test_clean_configurations_pass(sweep: dict[str, Report], lr: float) -> None:
                 "state_unchanged_between_steps", "training_hooks_installed", "model_params_match_main",
                 "replicas_identical", "offload_frees_memory", "reload_in_place",
                 "offload_host_memory_bounded"} <= applied, report.render()
+        if not report.settings["dropout"] and not report.settings["experts"]:  # N/A there, saying why
+            assert "independent_reference_matches" in applied, report.render()
         # each comparison states the smallest relative deviation per element it could have seen in this run
         assert "; resolution: a main param off the rule by more than " in \
             report.check("update_matches_optimizer_rule").detail, report.render()
@@ -299,7 +301,9 @@ def test_check_training_step_on_own_model(own_model: dict[str, dict], case: str)
     assert result["ok"] is ok, result["text"]
     statuses = result["checks"]
     assert {n for n, s in statuses.items() if s == "FAIL"} >= must_fail, result["text"]
-    assert {n for n, s in statuses.items() if s == "N/A"} == not_applicable, result["text"]
+    # the float64 model written from the math stands for the self-check's own model only (own_model.py says why)
+    assert {n for n, s in statuses.items() if s == "N/A"} == not_applicable | {"independent_reference_matches"}, \
+        result["text"]
     assert {"training_hooks_installed", "update_matches_optimizer_rule", "grad_norm_matches_reference",
             "model_params_match_main", "binding_verified", "bound_buffer_current"} <= set(statuses)
     if case == "good-pp2":

@@ -19,6 +19,14 @@ groups; and the hooks, DDP's param buffer and the binding are intact. With dropo
 replay the random state each real forward started from (the same masks), and the random state after the check is
 the one the step left, as without the check.
 
+What its gradient reference can and cannot see: the copy runs the caller's own layer code (the same modules,
+the same kernels) on the same inputs, without DDP, the schedule, ``finalize_model_grads`` or mcore_compat's
+adapters. It proves the distributed and optimizer path (what gradients DDP keeps and reduces, what the optimizer
+reads and how it updates), not the layers: a fault inside them (a stale weight in a linear layer's forward, a
+missing tensor-parallel reduction, wrong rows of a weight gradient) acts on the copy too. Only the self-check's
+own model is also compared with a model written independently from the math (``independent_reference_matches``,
+:mod:`.independent`); here that check is N/A, saying so.
+
 Cost: the copy is one more model in memory (its parameters and buffers, and a gradient and a bound per
 parameter while the reference runs) plus one more forward and backward; the pre-step snapshot of the main
 params, their state and gradients is about four fp32 copies of this rank's main params. The report's settings
@@ -77,6 +85,12 @@ def check_training_step(
 ) -> Report:
     """Run one training step of the caller's model through mcore_compat and prove it (collective: every rank).
 
+    The gradient reference (``grads_match_reference``) is a plain-autograd copy of the caller's modules: it
+    reuses the caller's layer code, so it proves the distributed and optimizer path (DDP's buffers and
+    reductions, ``finalize_model_grads``, the optimizer's inputs and update), not the layers themselves; a fault
+    inside them acts on the copy alike. ``independent_reference_matches`` (a float64 model written from the
+    math, :mod:`.independent`) exists for the self-check's own model only and is N/A here.
+
     Args:
         model_chunks: the DDP-wrapped chunks (a list, or one chunk).
         optimizer: the optimizer built for them (:func:`mcore_compat.training.get_megatron_optimizer`).
@@ -124,6 +138,10 @@ def check_training_step(
     training.finish_param_sync(chunks, optimizer)  # the overlapped all-gather of the updated params, if any
     verifier.final_replicas()
     checks.extend(verifier.checks())
+    checks.append(Check.not_applicable(
+        "independent_reference_matches", "the caller's own model: there is no independent model of its layers; "
+        "grads_match_reference reuses the caller's layer code, so it proves the distributed and optimizer path, "
+        "not the layers"))
     alias = _buffer_alias_check(chunks)
     if alias is not None:
         checks.append(alias)
