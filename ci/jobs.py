@@ -51,7 +51,8 @@ def run_pytest(env: MatrixEnv, python: str, release: Release | None, marker: str
                extra: Sequence[str]) -> None:
     """Run pytest on :data:`TEST_PATHS` with ``-m marker``; its counts, faults score and verdict go to ``result``.
 
-    The JUnit file, the fault-injection score (``MCORE_COMPAT_FAULT_REPORT``) and where the session's time went
+    The JUnit file, the fault-injection scores (``MCORE_COMPAT_FAULT_REPORT``: faults where mcore_compat acts;
+    ``MCORE_COMPAT_MEGATRON_FAULT_REPORT``: faults inside Megatron-Core) and where the session's time went
     (``MCORE_COMPAT_TIMING_REPORT``, into ``result.timing["inside_pytest"]``) go to ``.cache/logs/<result.name>.*``. Exit status 5 (no test collected) fails the job.
 
     Args:
@@ -69,12 +70,15 @@ def run_pytest(env: MatrixEnv, python: str, release: Release | None, marker: str
     junit.unlink(missing_ok=True)
     faults = logs / f"{result.name}.faults.json"
     faults.unlink(missing_ok=True)
+    megatron_faults = logs / f"{result.name}.megatron-faults.json"
+    megatron_faults.unlink(missing_ok=True)
     timing = logs / f"{result.name}.timing.json"
     timing.unlink(missing_ok=True)
     argv: list[str | Path] = [env.layout.base_python(python), "-P", "-m", "pytest", *TEST_PATHS, "-m", marker, "-p",
             "no:cacheprovider", f"--junitxml={junit}", *extra]
     run_env = env.session_env(python, release)
     run_env["MCORE_COMPAT_FAULT_REPORT"] = str(faults)  # the fault-injection suite writes its score there
+    run_env["MCORE_COMPAT_MEGATRON_FAULT_REPORT"] = str(megatron_faults)  # tests/test_megatron_faults.py's score
     run_env["MCORE_COMPAT_TIMING_REPORT"] = str(timing)  # tests/conftest.py: where the session's time went
     start = time.monotonic()
     code = out.run(argv, env=run_env, check=False, cwd=env.layout.repo)
@@ -86,6 +90,10 @@ def run_pytest(env: MatrixEnv, python: str, release: Release | None, marker: str
     if faults.is_file():
         score = json.loads(faults.read_text(encoding="utf-8"))
         result.faults = {k: score[k] for k in ("caught", "faults", "clean_pass", "clean")}
+    if megatron_faults.is_file():
+        score = json.loads(megatron_faults.read_text(encoding="utf-8"))
+        result.megatron_faults = {k: score[k] for k in ("caught", "acting", "not_acting", "faults", "clean_pass",
+                                                        "clean")}
     if code == PYTEST_NO_TESTS:  # a session that tested nothing proves nothing: a wrong path, marker or -k
         out.say(f"ERROR: pytest collected no test (exit status {code}); a session must run tests")
         result.details = result.details or f"pytest collected no test (exit status {code})"

@@ -27,6 +27,9 @@ class JobResult:
         ran_pytest: pytest ran (a later failure does not add an error).
         selfcheck: the self-check's summary (a release job).
         faults: the fault-injection score the suite wrote (``caught``/``faults``/``clean_pass``/``clean``).
+        megatron_faults: the score of the faults injected inside Megatron-Core (tests/test_megatron_faults.py:
+            ``caught``/``acting``/``not_acting``/``faults``/``clean_pass``/``clean``; a fault whose target does
+            not exist or run on the release is not acting, never caught).
         timing: seconds per phase (``prepare``, ``startup``, ``pytest``, ``selfcheck``) and what the suite
             measured inside pytest (``inside_pytest``: see tests/conftest.py); :func:`timing_line` renders it.
     """
@@ -44,6 +47,7 @@ class JobResult:
     ran_pytest: bool = False
     selfcheck: dict[str, Any] = field(default_factory=dict)
     faults: dict[str, Any] = field(default_factory=dict)
+    megatron_faults: dict[str, Any] = field(default_factory=dict)
     timing: dict[str, Any] = field(default_factory=dict)
 
 
@@ -118,6 +122,7 @@ def cpu_record(install: str, result: JobResult) -> dict[str, Any]:
         "details": result.details,
         "self_check": result.selfcheck or None,
         "fault_detection": result.faults or None,
+        "megatron_fault_detection": result.megatron_faults or None,
         "timing": timing_record(result) or None,
     }
 

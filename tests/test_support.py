@@ -389,6 +389,37 @@ def test_the_fault_score_the_suite_writes_is_recorded(tmp_path: Path, monkeypatc
     assert seen["MCORE_COMPAT_FAULT_REPORT"] == str(tmp_path / ".cache" / "logs" / "mcore-0.16.1.faults.json")
     assert result.faults == {"caught": 27, "faults": 28, "clean_pass": 7, "clean": 7}
     assert nf.results.cpu_record("wheel", result)["fault_detection"] == result.faults
+    # no Megatron-fault score written (an older suite): nothing recorded, the table shows "—"
+    assert nf.results.cpu_record("wheel", result)["megatron_fault_detection"] is None
+
+
+def test_the_megatron_fault_score_is_recorded_and_shown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/test_megatron_faults.py writes its score to MCORE_COMPAT_MEGATRON_FAULT_REPORT; the CPU record keeps
+    it and the support table shows caught/acting (not acting apart); records without it show "—"."""
+    from mcore_compat.support.render import _megatron_faults_cell
+
+    fake, _ = _fake_nox()
+    nf = _load_noxfile_with(fake, monkeypatch)
+    env = nf.matrix_env.MatrixEnv(nf.matrix_env.Layout(tmp_path), nf.ENV.matrix)
+    score = {"caught": 7, "acting": 7, "not_acting": 12, "faults": 19, "clean_pass": 4, "clean": 4}
+
+    def fake_pytest(self: Any, argv: list[str], env: dict[str, str] | None = None, check: bool = True,
+                    cwd: Any = None) -> int:
+        assert env is not None
+        Path(env["MCORE_COMPAT_MEGATRON_FAULT_REPORT"]).write_text(json.dumps({**score, "details": {}}))
+        return 0
+
+    monkeypatch.setattr(nf.Out, "run", fake_pytest)
+    result, out = nf.results.JobResult("mcore-0.4.0"), nf.Out(tmp_path / "s.log")
+    nf.jobs.run_pytest(env, "3.11", None, "mcore", out, result, ())
+    out.close()
+    record = nf.results.cpu_record("wheel", result)
+    assert record["megatron_fault_detection"] == score
+    assert _megatron_faults_cell(record) == "7/7; 12 not acting"
+    assert _megatron_faults_cell({**record, "megatron_fault_detection": {**score, "caught": 6, "clean_pass": 3}}) \
+        == "6/7; 12 not acting; clean 3/4"
+    assert _megatron_faults_cell({"result": "pass", "fault_detection": {"caught": 1, "faults": 1}}) == "—"
+    assert _megatron_faults_cell(None) == "—"
 
 
 def test_the_time_table_is_rendered_from_the_recorded_timing() -> None:

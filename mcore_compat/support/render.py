@@ -28,7 +28,12 @@ virtual stages, overlapped DP, MoE with expert parallelism; each with two offloa
 first two steps), on gloo. **Faults caught**: the
 fault-injection suite (`tests/test_selfcheck_real.py`), every fault that can exist on the release injected where
 the real bug acts, in fp32 and bf16 (the offload faults in bf16); a fault counts as caught when the self-check
-FAILS naming the right check (and the clean configurations PASS). **GPU**: `scripts/gpu_matrix.py` on NVIDIA
+FAILS naming the right check (and the clean configurations PASS). **Megatron faults caught/acting**: faults
+injected inside Megatron-Core itself (`tests/test_megatron_faults.py`: a Megatron function replaced in the ranks,
+e.g. DDP's gradient reduction, the param all-gather, unscaling, the grad norm, clipping, the optimizer step, the
+tied-embedding and sequence-parallel all-reduces, a layer's forward), caught over those that act on the release
+(a fault whose target does not exist or run there is not acting, never counted as caught).
+**GPU**: `scripts/gpu_matrix.py` on NVIDIA
 H200 with NCCL: the self-check in bf16 with `--bind` and two offload cycles on 1 GPU (distributed optimizer on
 and off, lr 1e-2 and 1e-6; runs before 2026-12-01-9 had no offload cycle) and, where a 2-GPU machine was
 lent, the standard sweep on 2 GPUs; per-configuration results are in `results.json`, the raw runs in
@@ -82,6 +87,19 @@ def _faults_cell(result: Mapping[str, Any] | None) -> str:
     return text
 
 
+def _megatron_faults_cell(result: Mapping[str, Any] | None) -> str:
+    """``17/17; 2 not acting`` from a CPU result's ``megatron_fault_detection`` (``—`` when not recorded)."""
+    faults = (result or {}).get("megatron_fault_detection")
+    if not isinstance(faults, Mapping) or "acting" not in faults:
+        return "—"
+    text = f"{int(faults.get('caught', 0))}/{int(faults['acting'])}"
+    if faults.get("not_acting"):
+        text += f"; {int(faults['not_acting'])} not acting"
+    if faults.get("clean") and faults.get("clean_pass") != faults.get("clean"):
+        text += f"; clean {faults.get('clean_pass')}/{faults.get('clean')}"
+    return text
+
+
 def _timing_row(version: str, result: Mapping[str, Any] | None) -> str | None:
     """One row of the time table from a CPU result's ``timing`` (``None`` when not recorded)."""
     timing = (result or {}).get("timing")
@@ -123,13 +141,14 @@ def render(releases: Iterable[Release], recorded: Mapping[str, Mapping[str, Any]
         bases: the base environments' requirements by Python version.
     """
     releases = list(releases)
-    lines = [_HEADER, "| megatron-core | tags | Python | limits | install | CPU | faults caught | GPU | notes |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [_HEADER, "| megatron-core | tags | Python | limits | install | CPU | faults caught | "
+                      "Megatron faults caught/acting | GPU | notes |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in releases:
         res = recorded.get(str(r.version), {})
         tags = ", ".join(t for t in r.tags if t in ("min", "latest", "oldest", "newest"))
         lines.append(f"| {r.version} | {tags} | {r.python} | {_limits_cell(r)} | {_install_cell(r)} | "
                      f"{_result_cell(res.get('cpu'))} | {_faults_cell(res.get('cpu'))} | "
+                     f"{_megatron_faults_cell(res.get('cpu'))} | "
                      f"{_result_cell(res.get('gpu'))} | {_cell(r.notes)} |")
     timing_rows = [row for r in releases
                    if (row := _timing_row(str(r.version), recorded.get(str(r.version), {}).get("cpu")))]
