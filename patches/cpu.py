@@ -7,6 +7,7 @@ Python 3.12), world sizes 1 and 2 over gloo.
 
 from __future__ import annotations
 
+import logging
 import types
 from typing import Any
 
@@ -236,10 +237,29 @@ def _patch_megatron_random(module: types.ModuleType) -> Undo:
     return changes.undo
 
 
+#: What Megatron's ``CudaRNGStatesTracker.fork`` logs when the CPU generator moved inside a fork (0.9+,
+#: tensor_parallel/random.py). With this patch the "CUDA" generator IS the CPU generator, so every dropout inside a
+#: fork moves it by design; the message would be printed once per forked dropout (24 times for a small GPT step).
+_FORK_CPU_WARNING = "CPU RNG state changed within GPU RNG context"
+
+
+class _ForkCpuWarningFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != _FORK_CPU_WARNING
+
+
+def _filter_fork_warning() -> Undo:
+    logger = logging.getLogger("megatron.core.tensor_parallel.random")
+    flt = _ForkCpuWarningFilter()
+    logger.addFilter(flt)
+    return lambda: logger.removeFilter(flt)
+
+
 def _apply_rng() -> Undo:
     import torch.cuda.random as cuda_random
 
     changes = Changes()
+    changes.add(_filter_fork_warning())
     for mod in (torch.cuda, cuda_random):
         changes.setattr(mod, "get_rng_state", _cpu_get_rng_state)
         changes.setattr(mod, "set_rng_state", _cpu_set_rng_state)
@@ -264,7 +284,9 @@ register(
             "torch.cuda.get_rng_state/set_rng_state/manual_seed and Megatron's "
             "tensor_parallel.random._set_cuda_rng_state (and _get_cuda_rng_state where it exists) use the CPU generator, "
             "so model_parallel_cuda_manual_seed and the CudaRNGStatesTracker fork work (same tracker logic, CPU "
-            "generator). The Megatron functions are patched when that module is imported (or now, if it is)."
+            "generator). The Megatron functions are patched when that module is imported (or now, if it is). "
+            "The fork's warning 'CPU RNG state changed within GPU RNG context' (0.9+) is filtered from Megatron's "
+            "logger: here the CPU generator is the one the fork swaps, so it moves by design."
         ),
         apply_fn=_apply_rng,
         check_fn=_check_rng,
