@@ -441,3 +441,26 @@ def test_weight_decay_coupling_reaches_the_self_check_options() -> None:
     assert _options(parser.parse_args(["self-check"])).decoupled_weight_decay is True
     coupled = _options(parser.parse_args(["self-check", "--no-decoupled-weight-decay", "--weight-decay", "0.05"]))
     assert coupled.decoupled_weight_decay is False and coupled.weight_decay == 0.05
+
+
+@pytest.mark.unit
+def test_the_sweep_names_each_configuration_before_its_report(monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Seven reports whose settings lines differ at the far right are told apart by a header naming each
+    configuration (the runs themselves are the matrix's CLI self-check; here only what is printed)."""
+    import mcore_compat.selfcheck as selfcheck
+    from mcore_compat.cli import build_parser
+    from mcore_compat.selfcheck import Report, SelfCheckOptions
+
+    configs = [SelfCheckOptions(tp=2, sequence_parallel=True, dropout=0.1, dtype="bf16"),
+               SelfCheckOptions(pp=2, tie_embeddings=True)]
+    monkeypatch.setattr(selfcheck, "standard_sweep", lambda *a, **k: (configs, [("moe", "no experts here")]))
+    monkeypatch.setattr(selfcheck, "run_sweep", lambda cs, *a, **k: [Report(settings={"n": i}) for i in range(len(cs))])
+    args = build_parser().parse_args(["self-check", "--sweep"])
+    from mcore_compat.cli.selfcheck import _options, _sweep
+
+    _sweep(args, _options(args))
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln for ln in lines if ln.startswith("== ")] == [
+        f"== configuration 1/2: {configs[0].label()} ==", f"== configuration 2/2: {configs[1].label()} =="]
+    assert "not run: moe: no experts here" in lines

@@ -231,7 +231,9 @@ def _sweep(args: argparse.Namespace, opts: Any) -> int:
     except UsageError as exc:
         _error(str(exc))
         return EXIT_USAGE
-    for r in reports:
+    for i, (config, r) in enumerate(zip(configs, reports, strict=True), 1):
+        # the configurations differ in a few settings at the far right of the settings line: name each first
+        print(f"== configuration {i}/{len(reports)}: {config.label()} ==")
         print(r.render(verbose=args.verbose, debug=args.debug), flush=True)
         print()
     for name, why in skipped:
