@@ -38,6 +38,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--probe", action="store_true",
                    help="also import megatron.core and check every fact row against the real module "
                         "(applies the CPU patches first when no GPU is present; lists the tables as --verbose)")
+    p.add_argument("--for", dest="for_release", metavar="V",
+                   help="before installing release V: which Python it runs on, whether this one is it (else where "
+                        "one was found: PATH, pyenv, uv), and the exact commands (a new venv where needed; torch's "
+                        "CPU build without a GPU); nothing is installed or imported. Exit 1 if no Python for V "
+                        "was found")
     p.add_argument("--expect-version", metavar="V",
                    help="exit with status 1 unless the detected megatron-core is exactly version V")
     p.set_defaults(func=run)
@@ -214,7 +219,10 @@ def _patches(version: Any) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     """Run ``doctor``; exit status 0 if the installation is usable, 1 if it is not (missing, unreadable, unsupported,
     untested without ``--allow-untested``, the environment breaking the release's limits), not the expected
-    version, or a fact row disagrees with the probe."""
+    version, or a fact row disagrees with the probe. With ``--for V``: the plan for release V (0 if a Python for it
+    was found, 1 if not, 2 if V is not a listed release)."""
+    if getattr(args, "for_release", None):
+        return _run_for(args.for_release, as_json=args.json)
     report = collect(probe=args.probe, allow_untested=args.allow_untested)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
@@ -231,3 +239,39 @@ def run(args: argparse.Namespace) -> int:
         print("error: some fact rows disagree with the installed module (see DISAGREES above)", file=sys.stderr)
         return 1
     return 0
+
+
+def _run_for(wanted: str, *, as_json: bool) -> int:
+    """``doctor --for V``: what release V needs of this machine and the commands (see :mod:`..support.plan`)."""
+    from ..support import base_requirements, releases
+    from ..support.plan import plan_for
+
+    listed = releases()
+    release = next((r for r in listed if str(r.version) == wanted.strip()), None)
+    if release is None:
+        print(f"mcore-compat doctor: error: --for {wanted}: not a supported release; one of: "
+              f"{' '.join(str(r.version) for r in listed)}", file=sys.stderr)
+        return 2
+    plan = plan_for(release, listed, base_requirements(release.python))
+    if as_json:
+        print(json.dumps({"release": str(release.version), "python": plan.python_minor,
+                          "requires_python": release.requires_python, "running": vars(plan.running),
+                          "interpreter": vars(plan.interpreter) if plan.interpreter else None,
+                          "fit": plan.fit.as_dict() if plan.fit else None, "commands": list(plan.commands),
+                          "notes": list(plan.notes), "ok": plan.ok}, indent=2))
+        return 0 if plan.ok else 1
+    lines = [f"megatron-core {release.version} on this machine",
+             f"  runs on          Python {plan.python_minor} (the release declares "
+             f"{release.requires_python or 'nothing'})",
+             f"  running Python   {plan.running.version} ({plan.running.path})"]
+    if plan.interpreter is not None and plan.interpreter is not plan.running:
+        lines.append(f"  Python found     {plan.interpreter.version} ({plan.interpreter.path}; "
+                     f"{plan.interpreter.found_by})")
+    if plan.fit is not None and not plan.fit.ok:
+        lines.append(f"  this environment {plan.fit.summary()}")
+    lines += [f"  note             {n}" for n in plan.notes]
+    if plan.commands:
+        lines.append("commands:")
+        lines += [f"  {c}" for c in plan.commands]
+    print("\n".join(lines))
+    return 0 if plan.ok else 1
