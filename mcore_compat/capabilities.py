@@ -6,6 +6,10 @@ probe of the real code). The adapters read them here instead of comparing versio
     fact("ddp_ctor")                  # "ddpcfg_pgc" on 0.15+
     has("core_optimizer")             # a boolean fact (capability): False on 0.4/0.5
 
+The 33 capability names removed when the fact table was unified (2026-12-01: ``has("ddp_config")``,
+``has("finalize_num_tokens")``, ...) still answer through :func:`has` and :func:`capability`, with the value they
+always had, and warn once (:class:`DeprecationWarning`) naming the replacement (:mod:`mcore_compat._deprecated`).
+
 ``tests/test_surface_real.py`` asserts in every matrix session that each fact's value for the installed release
 equals what its probe finds (:func:`drift`), so a row the code relies on cannot silently be wrong. Lookups are
 cached per ``(name, version)``: facts are read on every training step.
@@ -17,9 +21,10 @@ from typing import Any
 
 from packaging.version import Version
 
+from ._deprecated import DEPRECATED_FLAGS, warn_deprecated
 from ._fact_table import FACTS
 from ._ranges import parse_version
-from ._rows import Fact
+from ._rows import Fact, flag
 from .detect import detect
 from .errors import InvalidTypeError, UnknownFactError
 
@@ -70,10 +75,17 @@ def fact(name: str, version: Version | str | None = None) -> Any:
 def has(name: str, version: Version | str | None = None) -> bool:
     """Whether the boolean fact (capability) ``name`` holds for ``version`` (default: the detected one).
 
+    A capability name removed on 2026-12-01 answers as it did, from the fact that replaced it, and warns once
+    (:class:`DeprecationWarning`) naming the replacement.
+
     Raises:
         UnknownFactError: no fact is called ``name``.
         InvalidTypeError: ``name`` is a valued fact (read it with :func:`fact`).
     """
+    if name not in FACTS and name in DEPRECATED_FLAGS:
+        alias = DEPRECATED_FLAGS[name]
+        _warn_alias(name, f"has({name!r})", alias.replacement)
+        return alias.value(fact(alias.fact, version))
     value = fact(name, version)
     if not isinstance(value, bool):
         raise InvalidTypeError(
@@ -91,9 +103,18 @@ def capabilities() -> tuple[Fact[bool], ...]:
 def capability(name: str) -> Fact[bool]:
     """The boolean fact called ``name``.
 
+    A capability name removed on 2026-12-01 gives its old row (the range where it held, its value now derived
+    from the fact that replaced it) and warns once, naming the replacement.
+
     Raises:
         UnknownFactError: (a ``KeyError``) no flag is called ``name``; the message lists the known ones.
     """
+    if name not in FACTS and name in DEPRECATED_FLAGS:
+        alias = DEPRECATED_FLAGS[name]
+        _warn_alias(name, f"capability({name!r})", alias.replacement)
+        source = FACTS[alias.fact]
+        return flag(name, alias.was, f"deprecated since {alias.since}: {alias.replacement}",
+                    lambda: alias.value(source.probe()), source.files())
     entry = FACTS.get(name)
     if entry is None or not entry.is_flag:
         raise UnknownFactError(f"unknown capability {name!r}; known: {', '.join(c.name for c in capabilities())}")
@@ -118,3 +139,8 @@ def drift(version: Version | str | None = None) -> list[str]:
     """
     ver = _version(version)
     return [msg for entry in FACTS.values() if (msg := entry.drift(ver)) is not None]
+
+
+def _warn_alias(name: str, call: str, replacement: str) -> None:
+    warn_deprecated(name, f"{call}: the capability {name!r} is deprecated since {DEPRECATED_FLAGS[name].since} "
+                          f"(the fact table); use {replacement}", stacklevel=4)
