@@ -42,11 +42,12 @@ __all__ = ["TOLERANCE", "IndependentReference"]
 
 NAME = "independent_reference_matches"
 
-#: (gradient, loss) relative tolerance per parameter dtype, about 10x the worst clean ratio seen over the standard
-#: sweep (steps 2-3, lr 1e-6 and 1e-2) on 0.4.0, 0.8.0, 0.12.3, 0.16.1 and 0.19.2 (:data:`CALIBRATION`).
+#: (gradient, loss) relative tolerance per parameter dtype: about 7x (bf16) and 8-18x (fp32) the worst clean ratio
+#: seen (:data:`CALIBRATION`). The faults of tests/test_independent_reference.py give 0.49-1.4 (gradients).
 TOLERANCE = {"fp32": (1e-5, 1e-6), "bf16": (1e-1, 1e-3)}
-#: The worst clean (gradient, loss) ratios seen when :data:`TOLERANCE` was set.
-CALIBRATION = {"fp32": (0.0, 0.0), "bf16": (0.0, 0.0)}
+#: The worst clean (gradient, loss) ratios seen when :data:`TOLERANCE` was set: the standard sweep (2 ranks, 3
+#: steps, 2 with dropout) at lr 1e-6 and 1e-2 on 0.4.0, 0.8.0, 0.12.3, 0.16.1 and 0.19.2.
+CALIBRATION = {"fp32": (5.4e-7, 1.2e-7), "bf16": (1.5e-2, 1.5e-4)}
 
 
 @dataclass
