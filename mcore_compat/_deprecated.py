@@ -13,6 +13,9 @@ probes were checked against all 23 releases): ``tests/test_deprecated.py`` asser
 support matrix, that the flag derived from today's fact equals that range, and in every release session that
 it equals the old probe re-run against the installed tree.
 
+The other public names removed since then (:data:`DEPRECATED_NAMES`) are answered by their own modules, and
+``scripts/gen_api.py --check`` (lint) accepts a removed name or parameter only when it is declared here.
+
 This module is a leaf: it imports nothing of mcore-compat, so :mod:`mcore_compat.capabilities` reads it at top
 level.
 """
@@ -24,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEPRECATED_FLAGS", "DeprecatedFlag", "warn_deprecated"]
+__all__ = ["DEPRECATED_FLAGS", "DEPRECATED_NAMES", "DEPRECATED_PARAMS", "DeprecatedFlag", "warn_deprecated",
+           "warn_deprecated_name"]
 
 #: When the capability names were removed (the fact table of 2026-12-01) and answered again.
 _REMOVED = "2026-12-01"
@@ -123,7 +127,27 @@ _ROWS: tuple[DeprecatedFlag, ...] = (
 #: ``{old capability name: row}``: the 33 names removed from the capability table on 2026-12-01.
 DEPRECATED_FLAGS: dict[str, DeprecatedFlag] = {row.name: row for row in _ROWS}
 
+#: Other public names removed since the README of 2026-12-01, each answered again by its module (a module
+#: ``__getattr__`` or a property) with a warning: ``{path: what to use instead}``.
+DEPRECATED_NAMES: dict[str, str] = {
+    "mcore_compat.capabilities.Capability": "mcore_compat.capabilities.capability(name), which returns the fact's "
+                                            "row (a Fact: value_for(version), rows, description, probe)",
+    "mcore_compat.layout.version.MIN_VERSION": "mcore_compat.layout.version.resolve_version(version), which raises "
+                                               "UnsupportedVersionError below the oldest release the facts cover",
+    "mcore_compat.binding.manifest.Manifest.format": "Manifest.format_version",
+    "mcore_compat.selfcheck.oracle.unsupported_group": "the self-check's configured rule "
+                                                       "(mcore_compat.selfcheck.configured)",
+}
+
+#: Parameters removed or renamed since then and accepted again: ``{"function(param)": what to pass instead}``.
+DEPRECATED_PARAMS: dict[str, str] = {}
+
 _WARNED: set[str] = set()
+
+
+def warn_deprecated_name(path: str, stacklevel: int = 3) -> None:
+    """Warn once that the name at ``path`` (a key of :data:`DEPRECATED_NAMES`) is deprecated."""
+    warn_deprecated(path, f"{path} is deprecated; use {DEPRECATED_NAMES[path]}", stacklevel=stacklevel + 1)
 
 
 def warn_deprecated(key: str, message: str, stacklevel: int = 3) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from ._deprecated import DEPRECATED_FLAGS, warn_deprecated
+from ._deprecated import DEPRECATED_FLAGS, warn_deprecated, warn_deprecated_name
 from ._fact_table import FACTS
 from ._ranges import parse_version
 from ._rows import Fact, flag
@@ -144,3 +144,12 @@ def drift(version: Version | str | None = None) -> list[str]:
 def _warn_alias(name: str, call: str, replacement: str) -> None:
     warn_deprecated(name, f"{call}: the capability {name!r} is deprecated since {DEPRECATED_FLAGS[name].since} "
                           f"(the fact table); use {replacement}", stacklevel=4)
+
+
+def __getattr__(name: str) -> Any:
+    """``Capability`` (the row class of the capability table until 2026-12-01) is the :class:`Fact` that
+    :func:`capability` returns; deprecated, it warns once."""
+    if name == "Capability":
+        warn_deprecated_name(f"{__name__}.Capability")
+        return Fact
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,6 +4,8 @@
   the old table's range; each name warns once (``DeprecationWarning``, naming its replacement); ``capability()``
   gives the old row; the current API is unchanged (no alias shadows a fact, ``capabilities()`` lists none of them,
   an unknown name still raises);
+* the other public names removed since the README of 2026-12-01 (``DEPRECATED_NAMES``) answer with their old
+  meaning and warn once naming the replacement;
 * ``mcore`` (every release session): the old capability table's probe, re-run against the installed tree (its
   source read with ``ast``, nothing imported), equals ``has(old_name)`` and the old range.
 """
@@ -16,7 +18,7 @@ from collections.abc import Callable
 import pytest
 
 from mcore_compat import _deprecated
-from mcore_compat._deprecated import DEPRECATED_FLAGS
+from mcore_compat._deprecated import DEPRECATED_FLAGS, DEPRECATED_NAMES
 from mcore_compat._fact_table import FACTS
 from mcore_compat._probes import calls_with_constant, def_has_param, defines, module_exists
 from mcore_compat._ranges import in_range
@@ -136,6 +138,47 @@ def test_current_api_unchanged() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert has("core_optimizer", "0.16.1") is True  # a current name never warns
+
+
+def _old_name(path: str) -> object:
+    """``path`` looked up as a client would: import the module, then the attribute chain."""
+    import importlib
+
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise AssertionError(f"{path}: no module")
+
+
+def test_other_removed_names_answer_with_their_old_meaning() -> None:
+    from packaging.version import Version
+
+    from mcore_compat._rows import Fact
+    from mcore_compat.binding.manifest import Manifest
+    from mcore_compat.selfcheck.oracle import Rule
+
+    manifest = Manifest((), (), "0.16.1")
+    old = {"mcore_compat.capabilities.Capability": lambda: _old_name("mcore_compat.capabilities.Capability") is Fact,
+           "mcore_compat.layout.version.MIN_VERSION":
+               lambda: _old_name("mcore_compat.layout.version.MIN_VERSION") == Version("0.4.0"),
+           "mcore_compat.binding.manifest.Manifest.format": lambda: manifest.format == manifest.format_version,
+           "mcore_compat.selfcheck.oracle.unsupported_group":
+               lambda: [_old_name("mcore_compat.selfcheck.oracle.unsupported_group")(g, Rule("adam", True))
+                        for g in ({"lr": 1e-3}, {"amsgrad": True}, {"maximize": True})] == [None, "amsgrad", "maximize"]}
+    assert set(old) == set(DEPRECATED_NAMES)
+    for path, answers in old.items():
+        with pytest.warns(DeprecationWarning, match=path.rpartition(".")[2]) as record:
+            assert answers(), path
+        assert DEPRECATED_NAMES[path].split()[0] in str(record[0].message)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            answers()  # once per process
 
 
 @pytest.mark.mcore

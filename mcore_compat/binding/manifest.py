@@ -14,6 +14,7 @@ from typing import Any, Final
 
 import torch
 
+from .._deprecated import warn_deprecated_name
 from .errors import BindingError
 from .views import dtype_from_name, dtype_name, flat_view, slice_view
 
@@ -95,6 +96,12 @@ class Manifest:
     params: tuple[ManifestEntry, ...]
     version: str = ""
     format_version: int = MANIFEST_FORMAT
+
+    @property
+    def format(self) -> int:
+        """Deprecated name of :attr:`format_version` (warns once)."""
+        warn_deprecated_name("mcore_compat.binding.manifest.Manifest.format")
+        return self.format_version
 
     def to_dict(self) -> dict[str, Any]:
         """Plain ``dict``/``list``/``str``/``int`` data (what :meth:`to_json` writes)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from packaging.version import Version
 
+from .._deprecated import warn_deprecated_name
 from .._ranges import feature_version
 from ..errors import UnsupportedVersionError
 from .facts import LAYOUT_FACTS
@@ -35,3 +36,11 @@ def resolve_version(version: Version | str | None) -> Version:
             f"megatron-core {version} is not covered by the buffer-layout facts (fact {uncovered[0].name!r} "
             f"covers {uncovered[0].where(lambda _: True)}); mcore-compat does not support it")
     return v
+
+
+def __getattr__(name: str) -> Version:
+    """``MIN_VERSION`` (0.4.0, the oldest release the buffer-layout facts cover): deprecated, it warns once."""
+    if name == "MIN_VERSION":
+        warn_deprecated_name(f"{__name__}.MIN_VERSION")
+        return Version("0.4.0")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

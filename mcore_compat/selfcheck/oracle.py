@@ -37,6 +37,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .._deprecated import warn_deprecated_name
+
 __all__ = ["BOUND_TEXT", "Rule", "expected_step", "rule_of"]
 
 U32 = 2.0**-24
@@ -141,3 +143,15 @@ def expected_step(rule: Rule, h: dict[str, Any], p0: Any, grad: Any, state0: dic
     p1 = p - h["lr"] * d
     bound = U32 * (2.0 * p.abs() + p1.abs() + 6.0 * h["lr"] * (d.abs() + d_abs))
     return p1, state, bound
+
+
+def unsupported_group(group: dict[str, Any], rule: Rule) -> str | None:
+    """Deprecated (warns once): the setting of a torch param group the oracle does not model, ``"amsgrad"`` or
+    ``"maximize"`` (``None`` if it models all); the self-check now reads the rule's settings from the
+    configuration (:mod:`.configured`), not from the groups."""
+    warn_deprecated_name(f"{__name__}.unsupported_group")
+    if rule.kind == "adam" and group.get("amsgrad", False):
+        return "amsgrad"
+    if group.get("maximize", False):
+        return "maximize"
+    return None
