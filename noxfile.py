@@ -7,7 +7,8 @@ Sessions (``nox -l`` lists them):
   self-check. ``nox -t py311``, ``nox -t latest`` select groups; extra arguments go to pytest
   (``nox -s mcore-0.16.1 -- -x``, which skips the self-check).
 * ``unit``: the tests that need no megatron-core (``pytest -m "not mcore"``).
-* ``lint``: ``ruff check .`` and ``mypy`` over ``mcore_compat``, ``patches`` and ``ci``.
+* ``lint``: ``ruff check .``, ``mypy`` over ``mcore_compat``, ``patches`` and ``ci``, and the public API's
+  breaking-change check (``scripts/gen_api.py --check``, griffe against ``api/mcore_compat.json``).
 * ``matrix``: unit + lint + every release session, 2 at a time, records each release's CPU result into
   ``matrix/results.json``, regenerates ``matrix/README.md`` and ends with one pytest-style summary line.
   Options after ``--``: ``--jobs N``, ``--tag TAG`` (only releases with that tag), ``--no-record``.
@@ -90,7 +91,7 @@ def unit(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none", requires=[f"base-{ENV.tools_python}"])
 def lint(session: nox.Session) -> None:
-    """ruff check . and mypy (mcore_compat, patches, ci)."""
+    """ruff check ., mypy (mcore_compat, patches, ci) and the API breaking-change check (scripts/gen_api.py)."""
     _finish(session, jobs.run_lint(ENV, Out(), session.posargs))
 
 

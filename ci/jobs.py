@@ -171,16 +171,19 @@ def run_unit(env: MatrixEnv, out: Out, extra: Sequence[str] = ()) -> JobResult:
 
 
 def run_lint(env: MatrixEnv, out: Out, extra: Sequence[str] = ()) -> JobResult:
-    """``ruff check .`` then ``mypy`` over :data:`MYPY_PATHS`, with the tools of the tools base.
+    """``ruff check .``, ``mypy`` over :data:`MYPY_PATHS`, then the public API's breaking-change check
+    (``scripts/gen_api.py --check``: griffe against the committed listing ``api/mcore_compat.json``), with the
+    tools of the tools base.
 
-    Both always run; the job fails if either does (``extra`` goes to ruff).
+    All always run; the job fails if any does (``extra`` goes to ruff).
     """
 
     def body(result: JobResult) -> None:
         exe = env.ensure_base(env.tools_python, out)
         failed = []
         for tool, argv in (("ruff check", ["-m", "ruff", "check", ".", *extra]),
-                           ("mypy", ["-m", "mypy", *MYPY_PATHS])):
+                           ("mypy", ["-m", "mypy", *MYPY_PATHS]),
+                           ("api check", ["scripts/gen_api.py", "--check"])):
             code = out.run([exe, *argv], check=False, cwd=env.layout.repo)
             if code != 0:
                 failed.append(f"{tool} exited with status {code}")

@@ -53,7 +53,7 @@ else:  # pragma: no cover - nox on Python 3.10
 TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3")
 #: The Python that runs ``unit`` and ``lint``; its base also gets :data:`LINT_TOOLS`.
 TOOLS_PYTHON = "3.11"
-LINT_TOOLS = ("ruff==0.17.6", "mypy==2.4.0")
+LINT_TOOLS = ("ruff==0.17.6", "mypy==2.4.0", "griffe==2.4.1")
 #: Distributions whose versions are checked against each release's limits.
 LIMITED_DISTS = ("torch", "numpy", "setuptools")
 #: Environment variables a test run must not inherit.

@@ -378,22 +378,23 @@ def test_counts_text_and_many_failures(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------- jobs
-def test_lint_runs_ruff_and_mypy_and_fails_for_either(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lint_runs_ruff_mypy_and_the_api_check_and_fails_for_any(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     env = MatrixEnv(Layout(tmp_path), _Matrix([]))
     monkeypatch.setattr(env, "ensure_base", lambda python, out: Path("/base/python"))
-    for codes, ok in (({"ruff": 0, "mypy": 0}, True), ({"ruff": 0, "mypy": 1}, False),
-                      ({"ruff": 1, "mypy": 0}, False)):
+    for codes, ok in (({"ruff": 0, "mypy": 0, "gen_api.py": 0}, True), ({"ruff": 0, "mypy": 1, "gen_api.py": 0}, False),
+                      ({"ruff": 1, "mypy": 0, "gen_api.py": 0}, False), ({"ruff": 0, "mypy": 0, "gen_api.py": 1}, False)):
         seen: list[list[str]] = []
 
         def run(self: Out, argv: Sequence[str | Path], env: Any = None, check: bool = True, cwd: Any = None,
                 codes: dict[str, int] = codes, seen: list[list[str]] = seen) -> int:
             seen.append([str(a) for a in argv])
-            return codes[str(argv[2])]
+            return codes[str(argv[2]) if str(argv[1]) == "-m" else Path(argv[1]).name]
 
         monkeypatch.setattr(FakePip, "run", run)
         res = jobs.run_lint(env, FakePip(), ["--fix"])
-        assert [a[2] for a in seen] == ["ruff", "mypy"] and seen[0][-1] == "--fix"
-        assert seen[1][3:] == list(jobs.MYPY_PATHS)
+        assert [a[2] for a in seen] == ["ruff", "mypy", "--check"] and seen[0][-1] == "--fix"
+        assert seen[1][3:] == list(jobs.MYPY_PATHS) and seen[2][1] == "scripts/gen_api.py"
         assert res.ok is ok and res.errors == (0 if ok else 1)
         if not ok:
             assert "exited with status 1" in res.details
