@@ -105,8 +105,8 @@ _LAZY_ATTRS.update({name: ("mcore_compat.configs", name)
                     for name in ("transformer_config", "ddp_config", "optimizer_config")})
 _LAZY_ATTRS.update({name: ("mcore_compat.layout", name) for name in ("layout_of", "compute_layout", "ModelLayout")})
 _LAZY_ATTRS.update({name: ("mcore_compat.binding", name)
-                    for name in ("bind_params", "gather_pipeline", "gather_pipeline_flat", "ParamBinding",
-                                 "StageBuffers", "BindingError", "Manifest")})
+                    for name in ("bind_params", "gather_pipeline", "gather_pipeline_flat", "gather_full", "iter_full",
+                                 "ParamBinding", "StageBuffers", "BindingError", "Manifest")})
 _LAZY_ATTRS.update({name: ("mcore_compat.lifecycle", name)
                     for name in ("offload", "reload", "offloaded", "OffloadError", "release_host_buffers")})
 

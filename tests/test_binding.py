@@ -158,13 +158,69 @@ def test_stage_buffers_views_and_exports() -> None:
 @pytest.mark.unit
 def test_manifest_rejects_other_formats_and_malformed_data() -> None:
     data = _manifest().to_dict()
-    assert set(data) == {"format_version", "version", "buffers", "params"} and data["format_version"] == 1
+    assert set(data) == {"format_version", "version", "buffers", "params"} and data["format_version"] == 2
     with pytest.raises(BindingError, match="format_version 99"):
         Manifest.from_dict({**data, "format_version": 99})
     older = {k: v for k, v in data.items() if k != "format_version"}
-    assert Manifest.from_dict({**older, "format": 1}) == Manifest.from_dict(data)  # written before the rename
+    assert Manifest.from_dict({**older, "format": 2}) == Manifest.from_dict(data)  # written before the rename
     with pytest.raises(BindingError, match="malformed"):
         Manifest.from_dict({**data, "params": [{"name": "x"}]})
+    with pytest.raises(BindingError, match="without full_name"):
+        Manifest.from_dict({**data, "params": [{k: v for k, v in p.items() if k != "full_name"}
+                                               for p in data["params"]]})
+
+
+@pytest.mark.unit
+def test_manifest_version_1_is_still_read() -> None:
+    """A version 1 manifest (written before the single-rank placement fields) reads with them unset; it still
+    gives views, and gather_full refuses it naming format_version 2."""
+    from mcore_compat.binding.full import plan
+
+    v1_fields = ("name", "chunk", "buffer", "offset", "shape", "dtype")
+    data = _manifest().to_dict()
+    v1 = {**data, "format_version": 1, "params": [{k: p[k] for k in v1_fields} for p in data["params"]]}
+    m = Manifest.from_dict(v1)
+    assert m.format_version == 1 and all(e.full_name is None and not e.tp_split for e in m.params)
+    assert [(e.name, e.offset, e.shape) for e in m.params] == [(e.name, e.offset, e.shape) for e in _manifest().params]
+    assert set(m.views([torch.zeros(40, dtype=torch.bfloat16), torch.zeros(6)])) == {"w", "b", "scale"}
+    with pytest.raises(BindingError, match="format-2 fields"):
+        Manifest.from_dict({**data, "format_version": 1})
+    with pytest.raises(BindingError, match="needs format_version 2"):
+        plan([m])
+
+
+@pytest.mark.unit
+def test_manifest_v2_placement_round_trips_and_plans_the_full_tensors() -> None:
+    """Format 2 fields survive JSON; plan() joins TP shards, skips tied copies and refuses inconsistencies."""
+    import dataclasses
+
+    from mcore_compat.binding.full import plan
+    from mcore_compat.binding.placement import place_shard, shard, unshard
+
+    def entry(tp_rank: int, **kw: Any) -> ManifestEntry:
+        return ManifestEntry("fc1.weight", 0, 0, 0, (4, 3), "float32", full_name="decoder.layers.3.fc1.weight",
+                             tp_split=True, partition_dim=0, partition_stride=2, tp_rank=tp_rank, tp_size=2, **kw)
+
+    def manifest(*params: ManifestEntry) -> Manifest:
+        return Manifest((ManifestBuffer(0, 0, "k", "float32", 12, True),), params, "0.16.1")
+
+    m0, m1 = manifest(entry(0)), manifest(entry(1))
+    assert Manifest.from_json(m0.to_json()) == m0
+    (full,) = plan([m0, m1])
+    assert full.shape == (8, 3) and {p: r for p, (r, _) in full.pieces.items()} == {0: 0, 1: 1}
+    tied = dataclasses.replace(entry(1), name="out", full_name="output_layer.weight", tied_to="emb")
+    assert [f.name for f in plan([m0, manifest(entry(1), tied)])] == ["decoder.layers.3.fc1.weight"]
+    with pytest.raises(BindingError, match=r"disagree: decoder\.layers\.3\.fc1\.weight: partition_stride"):
+        plan([m0, manifest(dataclasses.replace(entry(1), partition_stride=1))])
+    with pytest.raises(BindingError, match=r"TP shards \[0\] held, \[0, 1\] needed"):
+        plan([m0])
+    x = torch.arange(24.0).view(8, 3)
+    shards = [shard(x, 0, 2, r, 2) for r in range(2)]
+    assert torch.equal(unshard(shards, 0, 2), x)
+    out = torch.empty(8, 3)
+    for r in range(2):
+        place_shard(out, shards[r], 0, 2, r, 2)
+    assert torch.equal(out, x)
 
 
 @pytest.mark.unit

@@ -31,9 +31,14 @@ there (all-gathered shards), never to ``param.data``; a param rebound elsewhere 
     ...train...
     binding.verify()                          # raises BindingError if someone rebound param.data
     weights = gather_pipeline(binding)        # {"stage0.<name>": tensor, ...} on every pipeline rank
+    full = gather_full(binding, dst=0)        # {"decoder.layers.7.mlp.linear_fc1.weight": full tensor, ...}
     engine.load(binding.manifest().to_json(), binding.flat_buffers())
     for stage in gather_pipeline_flat(binding, reuse_buffers=True):   # flat buffers of every stage, no views
         engine.load(stage.manifest.to_json(), stage.buffers)
+
+:func:`gather_full` gives the full, unsharded weights of a TP x PP x EP (+ virtual pipeline) model under the
+single-rank model's names (:func:`iter_full`: bucket by bucket), moving flat-buffer slices and concatenating
+TP shards on the receiving side from the manifests.
 
 :meth:`ParamBinding.verify` checks the aliasing cheaply, :func:`gather_pipeline` gathers all pipeline stages'
 weights with one collective per flat buffer per stage (:func:`gather_pipeline_flat`: the same, as flat buffers
@@ -55,6 +60,7 @@ from __future__ import annotations
 
 from .bind import bind_params
 from .errors import BindingError
+from .full import gather_full, iter_full
 from .gather import StageBuffers, gather_pipeline, gather_pipeline_flat
 from .manifest import MANIFEST_FORMAT, Manifest, ManifestBuffer, ManifestEntry
 from .param_binding import ParamBinding
@@ -68,6 +74,8 @@ __all__ = [
     "ParamBinding",
     "StageBuffers",
     "bind_params",
+    "gather_full",
     "gather_pipeline",
     "gather_pipeline_flat",
+    "iter_full",
 ]

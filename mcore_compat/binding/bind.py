@@ -19,6 +19,7 @@ from ..layout.read import ddp_buffers, unwrap
 from .errors import BindingError
 from .ownership import check_own_storage, remember
 from .param_binding import ParamBinding, Slot, place_problem
+from .placement import coordinates, placements
 from .views import dtype_name, numel
 
 __all__ = ["bind_params"]
@@ -108,6 +109,7 @@ def _add_chunk(out: _Buffers, chunks: list[Any], chunk_index: int, layout: Model
     chunk = chunks[chunk_index]
     named = dict(unwrap(chunk).named_parameters())
     positions = {name: i for i, name in enumerate(named)}
+    places = placements(unwrap(chunk))
     chunk_layouts = [b for b in layout.buffers if b.key.chunk == chunk_index]
     for (ddp_buffer, _), buf in zip(ddp_buffers(chunk, layout.version), chunk_layouts, strict=True):
         params = _buffer_params(buf, named, dtype)
@@ -124,7 +126,7 @@ def _add_chunk(out: _Buffers, chunks: list[Any], chunk_index: int, layout: Model
         out.kept.append(buf)
         for p, param in params:
             out.slots.append(Slot(_binding_name(p.name, chunk_index, len(chunks)), p.name, chunk_index, param,
-                                  index, p.start, tuple(p.shape), positions[p.name]))
+                                  index, p.start, tuple(p.shape), positions[p.name], places.get(p.name)))
 
 
 def _unbound_names(chunks: list[Any], slots: list[Slot]) -> tuple[str, ...]:
@@ -200,7 +202,7 @@ def bind_params(model_chunks: Any, *, dtype: torch.dtype | None = None) -> Param
     # Re-index the layout to the bound buffers only (ManifestBuffer.chunk reads layout.buffers[i]).
     bound_layout = ModelLayout(tuple(out.kept), layout.unbuffered, layout.version)
     binding = ParamBinding(chunks, bound_layout, out.flats, out.zero_copy, out.slots,
-                           _unbound_names(chunks, out.slots))
+                           _unbound_names(chunks, out.slots), coordinates())
     _check_zero_copy(out)
     check_own_storage(out.slots, out.zero_copy)
     _move_into_allocated(out)

@@ -20,8 +20,11 @@ from .views import dtype_from_name, dtype_name, flat_view, slice_view
 
 __all__ = ["MANIFEST_FORMAT", "Manifest", "ManifestBuffer", "ManifestEntry"]
 
-#: Manifest format version (bumped when fields change).
-MANIFEST_FORMAT: Final = 1
+#: Manifest format version (bumped when fields change): 2 adds where each parameter sits in the single-rank model
+#: (:class:`ManifestEntry` ``full_name`` ... ``tied_to``); version 1 manifests are still read (those fields unset).
+MANIFEST_FORMAT: Final = 2
+#: Every format :meth:`Manifest.from_dict` reads.
+READABLE_FORMATS: Final = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,19 @@ class ManifestEntry:
         offset: first element in that buffer.
         shape: parameter shape.
         dtype: element type.
+        full_name: (format 2) its name in the unwrapped single-rank model (TP = PP = EP = 1: layer and expert
+            numbers global); ``None`` in a version 1 manifest.
+        tp_split: (2) Megatron's ``tensor_model_parallel``: a shard of ``full_name`` (False: duplicated over TP).
+        partition_dim: (2) the dimension split over TP (``-1`` when not split).
+        partition_stride: (2) TP rank r holds pieces r, r+tp, ... of ``tp*stride`` pieces along that dimension.
+        tp_rank: (2) the tensor-parallel rank of the shard (the expert-TP rank for experts where it differs).
+        tp_size: (2) the tensor-parallel size (the expert-TP size for experts).
+        expert: (2) global expert index of an expert's parameter, ``None`` for dense ones.
+        ep_rank: (2) expert-parallel rank of the rank that holds an expert's parameter, else ``None``.
+        vp_stage: (2) virtual pipeline stage (model chunk) when the binding has several chunks, else ``None``.
+        pp_rank: (2) pipeline stage of the rank.
+        tied_to: (2) the single-rank name this parameter is a tied copy of (the last stage's output layer of a
+            model sharing it with the input embedding), else ``None``.
     """
 
     name: str
@@ -69,6 +85,17 @@ class ManifestEntry:
     offset: int
     shape: tuple[int, ...]
     dtype: str
+    full_name: str | None = None
+    tp_split: bool = False
+    partition_dim: int = -1
+    partition_stride: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    expert: int | None = None
+    ep_rank: int | None = None
+    vp_stage: int | None = None
+    pp_rank: int = 0
+    tied_to: str | None = None
 
     @property
     def numel(self) -> int:
@@ -89,7 +116,8 @@ class Manifest:
             reverse, so offsets descend within a buffer).
         version: the megatron-core release that built the model.
         format_version: :data:`MANIFEST_FORMAT` (the JSON key ``format_version``; manifests written before it was
-            named so carry it as ``format``, which :meth:`from_dict` still reads).
+            named so carry it as ``format``, which :meth:`from_dict` still reads). Version 1 manifests (no
+            single-rank placement) are read with the format-2 fields unset.
     """
 
     buffers: tuple[ManifestBuffer, ...]
@@ -115,12 +143,19 @@ class Manifest:
         """Inverse of :meth:`to_dict`.
 
         Raises:
-            BindingError: another manifest format, or missing fields.
+            BindingError: another manifest format, or missing fields (a version 1 manifest with format-2 fields
+                is malformed too).
         """
         fmt = int(data.get("format_version", data.get("format", -1)))
-        if fmt != MANIFEST_FORMAT:
+        if fmt not in READABLE_FORMATS:
             raise BindingError(f"manifest format_version {fmt} is not supported (this mcore_compat reads "
-                               f"format_version {MANIFEST_FORMAT}); upgrade mcore_compat to read it")
+                               f"format_version {', '.join(map(str, READABLE_FORMATS))}); upgrade mcore_compat "
+                               f"to read it")
+        v1_fields = {"name", "chunk", "buffer", "offset", "shape", "dtype"}
+        if fmt == 1 and any(set(p) - v1_fields for p in data.get("params", ()) if isinstance(p, Mapping)):
+            raise BindingError("malformed manifest: format_version 1 with format-2 fields")
+        if fmt == 2 and any(isinstance(p, Mapping) and "full_name" not in p for p in data.get("params", ())):
+            raise BindingError("malformed manifest: format_version 2 entry without full_name")
         try:
             buffers = tuple(ManifestBuffer(**b) for b in data["buffers"])
             params = tuple(ManifestEntry(**{**p, "shape": tuple(int(s) for s in p["shape"])})

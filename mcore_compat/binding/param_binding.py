@@ -19,6 +19,7 @@ from ..layout import ModelLayout
 from ..layout.read import unwrap
 from .errors import BindingError
 from .manifest import Manifest, ManifestBuffer, ManifestEntry
+from .placement import Coordinates, Placement
 from .views import dtype_name, flat_view, slice_view
 
 __all__ = ["ParamBinding", "Slot", "place_problem"]
@@ -36,6 +37,7 @@ class Slot:
     offset: int
     shape: tuple[int, ...]
     position: int  # index in the chunk's named_parameters()
+    placement: Placement | None = None  # where it sits in the single-rank model
 
 
 class ParamBinding:
@@ -45,8 +47,9 @@ class ParamBinding:
     """
 
     def __init__(self, chunks: list[Any], layout: ModelLayout, flats: list[torch.Tensor], zero_copy: list[bool],
-                 slots: list[Slot], unbound: tuple[str, ...]) -> None:
+                 slots: list[Slot], unbound: tuple[str, ...], coords: Coordinates | None = None) -> None:
         self._chunks = chunks
+        self._coords = coords or Coordinates()
         self._layout = layout
         self._flats = flats
         self._zero_copy = zero_copy
@@ -119,9 +122,21 @@ class ParamBinding:
                            dtype_name(f.dtype), f.numel(), self._zero_copy[i])
             for i, f in enumerate(self._flats)
         )
-        params = tuple(ManifestEntry(s.name, s.chunk, s.buffer, s.offset, s.shape,
-                                     dtype_name(self._flats[s.buffer].dtype)) for s in self._slots)
+        params = tuple(self._entry(s) for s in self._slots)
         return Manifest(buffers, params, self._layout.version)
+
+    def _entry(self, s: Slot) -> ManifestEntry:
+        c, pl = self._coords, s.placement
+        dtype = dtype_name(self._flats[s.buffer].dtype)
+        if pl is None:
+            pl = Placement(s.module_name, False, -1, 1)
+        expert = pl.expert is not None
+        return ManifestEntry(
+            s.name, s.chunk, s.buffer, s.offset, s.shape, dtype, full_name=pl.full_name, tp_split=pl.tp_split,
+            partition_dim=pl.partition_dim, partition_stride=pl.partition_stride,
+            tp_rank=c.etp_rank if expert else c.tp_rank, tp_size=c.etp_size if expert else c.tp_size,
+            expert=pl.expert, ep_rank=c.ep_rank if expert else None,
+            vp_stage=s.chunk if len(self._chunks) > 1 else None, pp_rank=c.pp_rank, tied_to=pl.tied_to)
 
     # ------------------------------------------------------------------------------------------------- verify
     def verify(self) -> None:

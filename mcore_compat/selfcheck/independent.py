@@ -61,41 +61,30 @@ class _Local:
 
 
 def _tp_info(p: Any) -> tuple[bool, int, int]:
-    return (bool(getattr(p, "tensor_model_parallel", False)), int(getattr(p, "partition_dim", -1)),
-            int(getattr(p, "partition_stride", 1)))
+    from ..binding.placement import tp_attrs
+
+    return tp_attrs(p)
 
 
 def _keys(core: Any) -> dict[Any, str]:
-    """``{param: key}``: Megatron's name with a transformer layer's local index replaced by its ``layer_number``;
-    the tied output-layer copy (last stage of a pipeline) keyed as the word embedding it stands for."""
-    layers = getattr(getattr(core, "decoder", None), "layers", None)
-    tied = bool(getattr(core, "share_embeddings_and_output_weights", False))
-    out = {}
-    for name, p in core.named_parameters():
-        parts = name.split(".")
-        if layers is not None and parts[:2] == ["decoder", "layers"]:
-            parts[2] = str(int(layers[int(parts[2])].layer_number))
-        key = ".".join(parts)
-        if tied and key == "output_layer.weight":
-            key = "embedding.word_embeddings.weight"
-        out[p] = key
-    return out
+    """``{param: key}``: the single-rank name with Megatron's 1-based ``layer_number`` for a transformer layer's
+    local index; the tied output-layer copy (last stage of a pipeline) keyed as the word embedding it stands for
+    (:func:`mcore_compat.binding.placement.single_rank_names`, shared with ``gather_full``)."""
+    from ..binding.placement import single_rank_names
+
+    return single_rank_names(core, layer_base=1)
 
 
 def _unshard(shards: Sequence[Any], dim: int, stride: int) -> Any:
-    """The full tensor of tensor-parallel ``shards`` (rank order): rank r holds pieces r, r+tp, ... of the full
-    tensor cut into tp*stride pieces along ``dim`` (tensor_parallel/layers.py ``_initialize_affine_weight_cpu``)."""
-    import torch
+    from ..binding.placement import unshard
 
-    pieces = [s.chunk(stride, dim) for s in shards]
-    return torch.cat([pieces[r][j] for j in range(stride) for r in range(len(shards))], dim)
+    return unshard(shards, dim, stride)
 
 
 def _shard(full: Any, dim: int, stride: int, rank: int, tp: int) -> Any:
-    import torch
+    from ..binding.placement import shard
 
-    pieces = full.chunk(tp * stride, dim)
-    return torch.cat([pieces[j * tp + rank] for j in range(stride)], dim)
+    return shard(full, dim, stride, rank, tp)
 
 
 def _loss_of(d: Any) -> float | None:
@@ -133,6 +122,43 @@ class IndependentReference:
             for chunk in self.chunks:
                 for p, key in _keys(core_module(chunk)).items():
                     self.local[p] = _Local(key, *_tp_info(p))
+            self._layout()
+            self._stack_batches()
+
+    def _layout(self) -> None:
+        """What every rank will send each step: its params (not the tied output-layer copy), their keys, shapes
+        and tensor-parallel attributes (collective, once)."""
+        import torch.distributed as dist
+
+        word = "embedding.word_embeddings.weight"
+        self.sent = [p for p, loc in self.local.items() if not (loc.key == word and _is_output_copy(p, self.chunks))]
+        meta = [(self.local[p].key, tuple(p.shape), self.tp_rank, self.local[p].tp_split, self.local[p].dim,
+                 self.local[p].stride) for p in self.sent]
+        self.metas: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(self.metas, meta)
+        self.width = max(sum(math.prod(shape) for _, shape, *_ in m) for m in self.metas)
+        self.device = next(iter(self.local)).device
+
+    def _stack_batches(self) -> None:
+        """Every DP rank's micro-batches (the same every step), stacked along the batch dimension in the order
+        (DP rank, micro-batch): the float64 model runs them in one forward."""
+        import torch
+
+        batches = [b for d in range(self.dp) for b in models.make_batches(self.opts, d)]
+        self.n_micro = len(batches)
+        masks = {b.attention_mask.cpu().numpy().tobytes() for b in batches}
+        if len(masks) != 1:
+            self.reason = "micro-batches with different attention masks"
+            return
+        def cat(name: str, dim: int) -> Any:
+            return torch.cat([getattr(b, name).cpu() for b in batches], dim)
+
+        self.inputs: tuple[Any, ...]
+        if self.opts.model == "gpt":
+            self.inputs = (cat("tokens", 0), cat("labels", 0), cat("position_ids", 0),
+                           batches[0].attention_mask.cpu())
+        else:
+            self.inputs = (cat("x", 1).double(), cat("target", 1).double())
 
     def _not_applicable_reason(self) -> str | None:
         o = self.opts
@@ -149,27 +175,33 @@ class IndependentReference:
 
     # --------------------------------------------------------------------------------------------- weights
     def _full_weights(self) -> dict[str, Any]:
-        """Every rank's params (collective), assembled into the full float64 weights."""
+        """Every rank's params (one all-gather), assembled into the full float64 weights."""
+        import torch
         import torch.distributed as dist
 
-        mine = [(loc.key, p.detach().cpu().clone(), self.tp_rank, loc.tp_split, loc.dim, loc.stride)
-                for p, loc in self.local.items()
-                if not (loc.key == "embedding.word_embeddings.weight" and _is_output_copy(p, self.chunks))]
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        flat = torch.zeros(self.width, dtype=torch.float64, device=self.device)
+        if self.sent:
+            mine = torch.cat([p.detach().reshape(-1).double() for p in self.sent])
+            flat[:mine.numel()] = mine
+        everyone = [torch.empty_like(flat) for _ in self.metas]
+        dist.all_gather(everyone, flat)
         by_key: dict[str, dict[int, tuple[Any, bool, int, int]]] = {}
-        for records in gathered:
-            for key, tensor, tp_rank, split, dim, stride in records:
-                by_key.setdefault(key, {}).setdefault(tp_rank, (tensor, split, dim, stride))
+        for meta, data in zip(self.metas, everyone, strict=True):
+            data, offset = data.cpu(), 0
+            for key, shape, tp_rank, split, dim, stride in meta:
+                n = math.prod(shape)
+                by_key.setdefault(key, {}).setdefault(tp_rank, (data[offset:offset + n].view(shape), split, dim,
+                                                                stride))
+                offset += n
         full = {}
         for key, shards in by_key.items():
             _, split, dim, stride = shards[min(shards)]
             if split:
                 if sorted(shards) != list(range(self.tp)):
                     raise _NotModelled(f"{key}: tensor-parallel shards {sorted(shards)} of {self.tp}")
-                full[key] = _unshard([shards[r][0] for r in range(self.tp)], dim, stride).double()
+                full[key] = _unshard([shards[r][0] for r in range(self.tp)], dim, stride).clone()
             else:
-                full[key] = shards[min(shards)][0].double()
+                full[key] = shards[min(shards)][0].clone()
         return full
 
     # --------------------------------------------------------------------------------------------- the math
@@ -185,22 +217,19 @@ class IndependentReference:
                 raise _NotModelled(f"layer numbers {layers} for num_layers={self.config.num_layers}")
             cfg = {**plain_gpt.attention_settings(self.config), "layers": layers,
                    "tied": "output_layer.weight" not in w}
-        m = models.MICROBATCHES
-        losses: list[list[float]] = []
-        total: Any = 0.0
         with torch.enable_grad():
-            for d in range(self.dp):
-                per_dp = []
-                for b in models.make_batches(self.opts, d):
-                    if self.opts.model == "gpt":
-                        loss = plain_gpt.gpt_loss(w, cfg, b.tokens.cpu(), b.labels.cpu(), b.position_ids.cpu(),
-                                                  b.attention_mask.cpu())
-                    else:
-                        loss = plain_gpt.mlp_loss(w, b.x.cpu().double(), b.target.cpu().double())
-                    per_dp.append(float(loss))
-                    total = total + loss / (m * self.dp)
-                losses.append(per_dp)
-            total.backward()
+            if self.opts.model == "gpt":
+                per_sample = plain_gpt.gpt_token_losses(w, cfg, *self.inputs)  # [n_micro * b, s]
+                per_micro = per_sample.reshape(self.n_micro, -1).mean(dim=1)
+            else:
+                per_sample = plain_gpt.mlp_squared_errors(w, *self.inputs)  # [s, n_micro * b, h]
+                s_len, _, h = per_sample.shape
+                per_micro = per_sample.reshape(s_len, self.n_micro, -1, h).mean(dim=(0, 2, 3))
+            # each micro-batch's mean / micro-batches (the schedule), averaged over the DP ranks (DDP)
+            per_micro.sum().div(self.n_micro).backward()
+        values = per_micro.detach().tolist()
+        m = self.n_micro // self.dp
+        losses = [values[d * m:(d + 1) * m] for d in range(self.dp)]
         unused = sorted(k for k, t in w.items() if t.grad is None)
         if unused:
             raise _NotModelled(f"parameters the float64 model does not use: {', '.join(unused[:4])}")
