@@ -10,6 +10,8 @@ it as a second base, so code written against the standard one keeps working:
   function does not take;
 * :class:`NotFoundError` (also a :class:`KeyError`): a name or key looked up in one of mcore-compat's tables is not
   there (:class:`UnknownFactError` for facts and capabilities);
+* :class:`NameUnavailableError` (also an :class:`ImportError`): a module or name imported through the mirror
+  :mod:`mcore_compat.core` that the installed release does not have;
 * :class:`UnsupportedFeatureError` (also a :class:`NotImplementedError`): mcore-compat's stand-in for a missing
   library (the apex and TransformerEngine stubs) or a patched Megatron class does not provide what was called.
 
@@ -29,6 +31,7 @@ __all__ = [
     "InvalidTypeError",
     "McoreCompatError",
     "MegatronNotFoundError",
+    "NameUnavailableError",
     "NotFoundError",
     "PatchError",
     "PatchRefusedError",
@@ -72,6 +75,22 @@ class UnsupportedFeatureError(McoreCompatError, NotImplementedError):
 
 class MegatronNotFoundError(McoreCompatError, ImportError):
     """megatron-core is not importable."""
+
+
+class NameUnavailableError(McoreCompatError, ImportError):
+    """A module or name of Megatron's layout, imported through the mirror (``from mcore_compat.core.x import y``),
+    that the installed megatron-core has neither at that path nor where it moved; the message names the releases
+    that have it. Also an :class:`ImportError`, so ``try: ... except ImportError:`` feature checks work unchanged.
+    ``name`` is the module imported from, ``symbol`` the name (``None`` for a module), ``releases`` the releases
+    that have it."""
+
+    def __init__(self, message: str, *, name: str | None = None, symbol: str | None = None,
+                 releases: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.msg = message
+        self.name = name
+        self.symbol = symbol
+        self.releases = releases
 
 
 class UnsupportedVersionError(McoreCompatError):

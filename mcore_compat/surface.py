@@ -46,6 +46,7 @@ __all__ = [
     "locate",
     "module_ranges",
     "modules",
+    "moved_names",
     "name_ranges",
     "names",
     "range_summary",
@@ -210,6 +211,21 @@ def _links() -> dict[tuple[str, str], tuple[str, ...]]:
 def links(module: str, name: str) -> tuple[str, ...]:
     """The modules ``name`` moved to from ``module`` or came from (one step; :func:`locate` follows them all)."""
     return _links().get((module, name), ())
+
+
+@cache
+def _moved_names() -> dict[str, tuple[str, ...]]:
+    out: dict[str, list[str]] = {}
+    for old, new, text in _data().MOVES:
+        for module in (old, new):
+            out.setdefault(module, []).extend(text.split())
+    return {m: tuple(dict.fromkeys(names)) for m, names in out.items()}
+
+
+def moved_names(module: str) -> tuple[str, ...]:
+    """The names whose definition moved to or from ``module`` (``MOVES`` of the data; not the re-exports a module
+    dropped)."""
+    return _moved_names().get(module, ())
 
 
 def locate(module: str, name: str, release: str | Version) -> Where | None:

@@ -30,6 +30,9 @@ _PROTOCOL_RAISES: dict[tuple[str, str, str], str] = {
     ("mcore_compat", "__getattr__", "AttributeError"):
         "a module's __getattr__ (PEP 562) says 'no such attribute' with AttributeError; hasattr() and "
         "from-imports rely on it",
+    ("mcore_compat._mirror", "MirrorModule.__getattr__", "AttributeError"):
+        "a mirror module answers dunder lookups (``__path__``, ``__file__``, ...) like any module: AttributeError, "
+        "so the import system, copy and hasattr() work; a missing Megatron name raises NameUnavailableError",
     ("mcore_compat.symbols", "Unavailable.__getattr__", "AttributeError"):
         "the placeholder answers dunder lookups like a plain object (copy, pickle, hasattr probe them and expect "
         "AttributeError)",
