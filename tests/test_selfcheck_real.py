@@ -78,6 +78,10 @@ FAULT_CASES: dict[str, Fault] = {
     "decay_no_decay_in_step": Fault(dict(distributed_optimizer=True), _RULE),
     "stale_binding": Fault(dict(distributed_optimizer=False), frozenset({"binding_verified"}),
                            frozenset({"bound_buffer_current"})),
+    # a TP partition stride recorded wrong at bind time: gather_full puts the shards in the wrong places (bf16
+    # only: the bytes moved do not depend on the dtype)
+    "gather_full_wrong_stride": Fault(dict(tp=2, distributed_optimizer=True, bind=True),
+                                      frozenset({"gather_full_matches"}), dtypes=("bf16",)),
     # the offload faults act inside mcore_compat.offload/reload; the dtype does not change what they do, so they
     # run in bf16 only (the setting RL runs use)
     "reload_recreates_storage": Fault(dict(distributed_optimizer=True, offload_cycles=1, bind=True),
@@ -198,6 +202,10 @@ def test_clean_configurations_pass(sweep: dict[str, Report], lr: float) -> None:
                 "offload_host_memory_bounded"} <= applied, report.render()
         if not report.settings["dropout"] and not report.settings["experts"]:  # N/A there, saying why
             assert "independent_reference_matches" in applied, report.render()
+        s = report.settings  # gather_full at TP/PP/EP > 1 (N/A before 0.6 with experts: in no DDP buffer)
+        if s["bind"] and max(s["tp"] or 1, s["pp"] or 1, s["ep"] or 1) > 1 and \
+                not (s["experts"] and _installed() < Version("0.6")):
+            assert "gather_full_matches" in applied, report.render()
         # each comparison states the smallest relative deviation per element it could have seen in this run
         assert "; resolution: a main param off the rule by more than " in \
             report.check("update_matches_optimizer_rule").detail, report.render()
@@ -396,7 +404,7 @@ def test_world_size_4_pipeline_with_binding(world4: dict[str, Report], name: str
     assert report.ok, report.render()
     passed = {c.name for c in report.checks if c.passed}
     assert {"binding_verified", "bound_buffer_current", "update_matches_optimizer_rule", "grads_match_reference",
-            "grad_norm_matches_reference", "replicas_identical"} <= passed, report.render()
+            "grad_norm_matches_reference", "replicas_identical", "gather_full_matches"} <= passed, report.render()
     if "-pp2-" in name:
         assert "pipeline_gather_matches" in passed
 

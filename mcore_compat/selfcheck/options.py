@@ -30,6 +30,8 @@ FAULTS = {
     "decay_no_decay_in_step": "weight decay applied to the biases' and norms' group inside the step",
     "loss_not_averaged": "the loss not divided by the number of micro-batches",
     "stale_binding": "the binding's flat buffers are copies taken at bind time (needs bind=True)",
+    "gather_full_wrong_stride": "the binding records a wrong TP partition stride for one parameter at bind time "
+                                "(needs bind=True and tp > 1)",
     "reload_recreates_storage": "reload copies the params' bytes into new memory and rebinds param.data instead "
                                 "of refilling their storage (needs offload_cycles >= 1)",
     "offload_misses_optimizer_state": "offload finds no optimizer state, so it stays on the device (needs "
@@ -148,7 +150,7 @@ class SelfCheckOptions:
             raise UsageError(f"--steps must be >= 1, got {self.steps}")
         if self.fault is not None and self.fault not in FAULTS:
             raise UsageError(f"unknown fault {self.fault!r}; known: {', '.join(FAULTS)}")
-        if self.fault in ("rebind_after_bind", "stale_binding") and not self.bind:
+        if self.fault in ("rebind_after_bind", "stale_binding", "gather_full_wrong_stride") and not self.bind:
             raise UsageError(f"fault {self.fault} needs bind=True (--bind)")
         if self.offload_cycles < 0:
             raise UsageError(f"--offload-cycles must be >= 0, got {self.offload_cycles}")

@@ -15,6 +15,7 @@ from typing import Any
 from .._optimizer_view import optimizer_view
 from . import models
 from .configured import from_options
+from .full_gather import gather_full_check, inject_wrong_stride
 from .independent import IndependentReference
 from .offload_cycle import OffloadCycles
 from .options import SelfCheckOptions
@@ -320,6 +321,8 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
         _rebind_outside(chunks[0])
     if opts.fault == "stale_binding" and binding is not None:
         binding._flats = [f.detach().clone() for f in binding._flats]
+    if opts.fault == "gather_full_wrong_stride" and binding is not None:
+        inject_wrong_stride(binding)
     if opts.fault == "no_finalize_hook":
         for chunk in chunks:
             symbols.resolve("get_model_config")(chunk).finalize_model_grads_func = None
@@ -378,6 +381,8 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
         checks.extend(_binding_checks(binding, chunks))
         if (opts.pp or 1) > 1:
             checks.append(_pipeline_gather_check(binding, ps))
+        if max(opts.tp or 1, opts.pp or 1, opts.ep or 1) > 1:
+            checks.append(gather_full_check(binding, chunks))
     env["reference_bytes"] = verifier.reference_bytes
     from .. import patches
 
