@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["MASK_FILL", "attention_settings", "gpt_loss", "mlp_loss", "unmodelled"]
+__all__ = ["MASK_FILL", "attention_settings", "gpt_loss", "gpt_token_losses", "mlp_loss", "mlp_squared_errors",
+           "unmodelled"]
 
 #: What Megatron's ``attention_mask_func`` writes into masked attention scores (transformer/utils.py).
 MASK_FILL = -10000.0
@@ -92,8 +93,15 @@ def _attention(x: Any, w: dict[str, Any], prefix: str, mask: Any, cfg: dict[str,
 
 def gpt_loss(w: dict[str, Any], cfg: dict[str, Any], tokens: Any, labels: Any, position_ids: Any,
              mask: Any) -> Any:
-    """The mean per-token cross-entropy of one micro-batch (``tokens``/``labels``/``position_ids`` [b, s], ``mask``
-    [1, 1, s, s] with ``True`` = masked) under the full weights ``w``.
+    """The mean per-token cross-entropy of one micro-batch (see :func:`gpt_token_losses`)."""
+    return gpt_token_losses(w, cfg, tokens, labels, position_ids, mask).mean()
+
+
+def gpt_token_losses(w: dict[str, Any], cfg: dict[str, Any], tokens: Any, labels: Any, position_ids: Any,
+                     mask: Any) -> Any:
+    """The per-token cross-entropy [b, s] of ``tokens``/``labels``/``position_ids`` [b, s] (``mask`` [1, 1, s, s]
+    with ``True`` = masked) under the full weights ``w``; samples are independent, so micro-batches can be
+    stacked along b.
 
     ``cfg``: ``heads``, ``groups`` (query groups), ``head_dim``, ``scale``, ``eps``, ``zero_centered_gamma``,
     ``layers`` (the global layer numbers in order) and ``tied`` (the output layer is the word embedding).
@@ -114,15 +122,20 @@ def gpt_loss(w: dict[str, Any], cfg: dict[str, Any], tokens: Any, labels: Any, p
     logits = h @ out.t()  # [s, b, vocab]
     target = labels.transpose(0, 1)
     ce = torch.logsumexp(logits, dim=-1) - logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    return ce.mean()
+    return ce.transpose(0, 1)  # [b, s], as GPTModel returns it
 
 
 def mlp_loss(w: dict[str, Any], x: Any, target: Any) -> Any:
     """The MLP's mean squared error on one micro-batch (``x``, ``target`` [s, b, h])."""
+    return mlp_squared_errors(w, x, target).mean()
+
+
+def mlp_squared_errors(w: dict[str, Any], x: Any, target: Any) -> Any:
+    """The MLP's squared error per element [s, b, h] (samples independent: micro-batches stack along b)."""
     import torch
 
     y = _linear(torch.nn.functional.gelu(_linear(x, w, "fc1")), w, "fc2")
-    return ((y - target) ** 2).mean()
+    return (y - target) ** 2
 
 
 def attention_settings(config: Any) -> dict[str, Any]:
