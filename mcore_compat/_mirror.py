@@ -9,8 +9,10 @@ Megatron; the first use of a name imports Megatron's module that has it and retu
   of the data (:mod:`mcore_compat._surface_data`); :class:`MirrorModule` is what it creates.
 * A name is resolved, on each use (nothing is copied, so a later assignment in Megatron's module is seen), as:
   a submodule of the data -> the mirror's submodule; else the name of Megatron's module at the same path in the
-  installed release; else the name where :func:`~mcore_compat.surface.locate` finds it; else
-  :class:`~mcore_compat.errors.NameUnavailableError` (an ``ImportError``) naming the releases that have it.
+  installed release; else the name where :func:`~mcore_compat.surface.locate` finds it; else, in a ``from ...
+  import``, :class:`~mcore_compat.errors.NameUnavailableError` (an ``ImportError``) naming the releases that have
+  it, and in an attribute read (``mpu.x``, ``hasattr(mpu, "x")``)
+  :class:`~mcore_compat.errors.SymbolUnavailableError` (an ``AttributeError``), as the raw module answers.
 * Assignments to a mirror module's names (``mock.patch("mcore_compat.core.parallel_state.get_x")``) go to
   Megatron's module.
 
@@ -22,6 +24,7 @@ raises ``ModuleNotFoundError``.
 
 from __future__ import annotations
 
+import dis
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -31,11 +34,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import surface
-from .errors import NameUnavailableError
+from .errors import NameUnavailableError, SymbolUnavailableError
 
 #: The mirror's root package and the package it stands for.
 ROOT = "mcore_compat.core"
 MEGATRON = "megatron.core"
+
+#: The opcode of ``from x import y``'s attribute lookup (told apart from ``x.y``, ``hasattr(x, "y")``).
+_IMPORT_FROM = dis.opmap["IMPORT_FROM"]
 
 #: Dunder names forwarded to Megatron's module (the others are the mirror module's own).
 _FORWARDED_DUNDERS = frozenset({"__all__", "__version__"})
@@ -100,9 +106,15 @@ class MirrorModule(types.ModuleType):
     """A module of the mirror: its names are those of Megatron's module at the same path, resolved on use."""
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") and name.endswith("__") and name not in _FORWARDED_DUNDERS:
-            raise AttributeError(name)
-        return resolve(self.__name__, name)
+        if name.startswith("__") and name.endswith("__"):
+            if name not in _FORWARDED_DUNDERS:
+                raise AttributeError(name)
+            real = _real_or_raise(self.__name__)
+            if name == "__all__":  # `from mcore_compat.core.x import *`: what the star import of Megatron's gives
+                return getattr(real, "__all__", [n for n in vars(real) if not n.startswith("_")])
+            return getattr(real, name)
+        caller = sys._getframe(1)
+        return resolve(self.__name__, name, from_import=caller.f_code.co_code[caller.f_lasti] == _IMPORT_FROM)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if (name.startswith("__") and name.endswith("__")) or isinstance(value, MirrorModule):
@@ -131,11 +143,18 @@ def _real_or_raise(mirror_name: str) -> types.ModuleType:
     return module
 
 
-def resolve(mirror_name: str, name: str) -> Any:
+def resolve(mirror_name: str, name: str, *, from_import: bool = True) -> Any:
     """The object ``from <mirror_name> import <name>`` gives (see the module docstring for the order).
 
+    Args:
+        from_import: the lookup is a ``from ... import`` statement's (else an attribute read: ``module.name``,
+            ``hasattr``, ``getattr``).
+
     Raises:
-        NameUnavailableError: the installed release has the name neither at that path nor where it moved.
+        NameUnavailableError: (``from_import``) the installed release has the name neither at that path nor where
+            it moved; an ``ImportError``, as the raw ``from ... import`` raises.
+        SymbolUnavailableError: (an attribute read) the same; an ``AttributeError``, as the raw attribute read
+            raises, so ``hasattr(mpu, "x")`` answers ``False``.
     """
     module = real_path(mirror_name)
     release = installed_release()
@@ -152,7 +171,10 @@ def resolve(mirror_name: str, name: str) -> Any:
         target = _import_real(where.module)
         if target is not None and hasattr(target, name):
             return getattr(target, name)
-    raise NameUnavailableError(**_unavailable(module, name, release))
+    args = _unavailable(module, name, release)
+    if not from_import:
+        raise SymbolUnavailableError(args["message"].replace("cannot import", "no attribute", 1))
+    raise NameUnavailableError(**args)
 
 
 def _module_available(module: str, release: str) -> bool:

@@ -90,6 +90,14 @@ def _outcome(fn: Any) -> dict[str, Any]:
     return {"ok": True, "value": value}
 
 
+def _raised(fn: Any) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as exc:
+        return exc
+    return None
+
+
 def _from_import(module: str, name: str) -> Any:
     """``from <module> import <name>``, as a statement (what client code runs)."""
     scope: dict[str, Any] = {}
@@ -167,6 +175,19 @@ def check_mirror() -> dict[str, Any]:
         "submodule_is_mirror": type(core.parallel_state).__name__ == "MirrorModule" and core.parallel_state is ps,
         "function_is_real": ps.get_tensor_model_parallel_rank is real_ps.get_tensor_model_parallel_rank,
     }
+    # an attribute read of a missing name answers as the raw module does (AttributeError: hasattr is False), a
+    # from-import raises NameUnavailableError; a star import gives Megatron's names
+    from mcore_compat.errors import SymbolUnavailableError
+
+    attributes["hasattr_missing_is_false"] = not hasattr(ps, "not_a_megatron_name") and \
+        getattr(ps, "not_a_megatron_name", None) is None and hasattr(ps, "get_tensor_model_parallel_rank")
+    attributes["attribute_error_is_symbol_unavailable"] = isinstance(
+        _raised(lambda: ps.not_a_megatron_name), SymbolUnavailableError)
+    missing = _outcome(lambda: _from_import("mcore_compat.core.parallel_state", "not_a_megatron_name"))
+    attributes["from_import_missing"] = (missing.get("error"), missing.get("import_error"))
+    star: dict[str, Any] = {}
+    exec("from mcore_compat.core.enums import *", star)
+    attributes["star_import"] = star.get("ModelType") is importlib.import_module("megatron.core.enums").ModelType
     # an assignment through the mirror lands on Megatron's module, and a later one in Megatron's module is seen
     original = real_ps.get_tensor_model_parallel_rank
     try:

@@ -9,6 +9,9 @@ matrix session; the imports run on a rank of the session's group: tests/_mirror_
   release lacks the path, when a name of it moved;
 * ``import mcore_compat.core.<path>`` imports nothing of Megatron, nor torch (a fresh interpreter; the first use
   of a name imports it: every case above);
+* an attribute read of a missing name raises ``SymbolUnavailableError`` (an ``AttributeError``: ``hasattr`` is
+  ``False``, as on the raw module), a ``from ... import`` of it ``NameUnavailableError``; a star import gives
+  Megatron's names;
 * a submodule read through the mirror is the mirror's module; assignments go to Megatron's module.
 """
 
@@ -97,6 +100,8 @@ def test_a_mirror_module_imports_where_something_of_it_is_reachable(mirror: dict
 
 def test_submodules_are_mirrors_and_assignments_reach_megatron(mirror: dict[str, Any]) -> None:
     assert mirror["attributes"] == {"submodule_is_mirror": True, "function_is_real": True,
+                                    "hasattr_missing_is_false": True, "attribute_error_is_symbol_unavailable": True,
+                                    "from_import_missing": ("NameUnavailableError", True), "star_import": True,
                                     "assignment_forwarded": True, "later_change_seen": True}
 
 
