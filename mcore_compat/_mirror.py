@@ -43,6 +43,9 @@ MEGATRON = "megatron.core"
 #: The opcode of ``from x import y``'s attribute lookup (told apart from ``x.y``, ``hasattr(x, "y")``).
 _IMPORT_FROM = dis.opmap["IMPORT_FROM"]
 
+#: ``(mirror module, name) -> Megatron's module`` that served the name (read live from there on later reads).
+_ROUTES: dict[tuple[str, str], types.ModuleType] = {}
+
 #: Dunder names forwarded to Megatron's module (the others are the mirror module's own).
 _FORWARDED_DUNDERS = frozenset({"__all__", "__version__"})
 
@@ -113,8 +116,16 @@ class MirrorModule(types.ModuleType):
             if name == "__all__":  # `from mcore_compat.core.x import *`: what the star import of Megatron's gives
                 return getattr(real, "__all__", [n for n in vars(real) if not n.startswith("_")])
             return getattr(real, name)
-        caller = sys._getframe(1)
-        return resolve(self.__name__, name, from_import=caller.f_code.co_code[caller.f_lasti] == _IMPORT_FROM)
+        route = _ROUTES.get((self.__name__, name))
+        if route is not None and hasattr(route, name):
+            return getattr(route, name)  # read live from Megatron's module each time: later changes are seen
+        try:
+            return resolve(self.__name__, name)
+        except NameUnavailableError as exc:
+            caller = sys._getframe(1)
+            if caller.f_code.co_code[caller.f_lasti] == _IMPORT_FROM:
+                raise
+            raise SymbolUnavailableError(str(exc).replace("cannot import", "no attribute", 1)) from None
 
     def __setattr__(self, name: str, value: Any) -> None:
         if (name.startswith("__") and name.endswith("__")) or isinstance(value, MirrorModule):
@@ -143,38 +154,30 @@ def _real_or_raise(mirror_name: str) -> types.ModuleType:
     return module
 
 
-def resolve(mirror_name: str, name: str, *, from_import: bool = True) -> Any:
-    """The object ``from <mirror_name> import <name>`` gives (see the module docstring for the order).
-
-    Args:
-        from_import: the lookup is a ``from ... import`` statement's (else an attribute read: ``module.name``,
-            ``hasattr``, ``getattr``).
+def resolve(mirror_name: str, name: str) -> Any:
+    """The object ``from <mirror_name> import <name>`` gives (see the module docstring for the order); the
+    Megatron module it came from is remembered (:data:`_ROUTES`), so later reads go straight to it.
 
     Raises:
-        NameUnavailableError: (``from_import``) the installed release has the name neither at that path nor where
-            it moved; an ``ImportError``, as the raw ``from ... import`` raises.
-        SymbolUnavailableError: (an attribute read) the same; an ``AttributeError``, as the raw attribute read
-            raises, so ``hasattr(mpu, "x")`` answers ``False``.
+        NameUnavailableError: the installed release has the name neither at that path nor where it moved (an
+            ``ImportError``, as the raw ``from ... import`` raises; :class:`MirrorModule` turns it into
+            ``SymbolUnavailableError``, an ``AttributeError``, for an attribute read).
     """
     module = real_path(mirror_name)
     release = installed_release()
     if _is_submodule(module, name, release):
         return importlib.import_module(f"{mirror_name}.{name}")
     real = _import_real(module)
-    if real is not None:
-        try:
-            return getattr(real, name)
-        except AttributeError:
-            pass
+    if real is not None and hasattr(real, name):
+        _ROUTES[(mirror_name, name)] = real
+        return getattr(real, name)
     where = surface.locate(module, name, release)
     if where is not None and where.moved:
         target = _import_real(where.module)
         if target is not None and hasattr(target, name):
+            _ROUTES[(mirror_name, name)] = target
             return getattr(target, name)
-    args = _unavailable(module, name, release)
-    if not from_import:
-        raise SymbolUnavailableError(args["message"].replace("cannot import", "no attribute", 1))
-    raise NameUnavailableError(**args)
+    raise NameUnavailableError(**_unavailable(module, name, release))
 
 
 def _module_available(module: str, release: str) -> bool:
