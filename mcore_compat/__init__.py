@@ -93,6 +93,7 @@ _LAZY_MODULE_ATTRS: dict[str, str] = {
     "training": "mcore_compat.training",
     "selfcheck": "mcore_compat.selfcheck",
     "lifecycle": "mcore_compat.lifecycle",
+    "checkpoint": "mcore_compat.checkpoint",
 }
 #: Names re-exported from submodules on first access (module, attribute).
 _LAZY_ATTRS: dict[str, tuple[str, str]] = {
@@ -109,6 +110,9 @@ _LAZY_ATTRS.update({name: ("mcore_compat.binding", name)
                                  "ParamBinding", "StageBuffers", "BindingError", "Manifest")})
 _LAZY_ATTRS.update({name: ("mcore_compat.lifecycle", name)
                     for name in ("offload", "reload", "offloaded", "OffloadError", "release_host_buffers")})
+_LAZY_ATTRS.update({name: ("mcore_compat.checkpoint", name)
+                    for name in ("save_checkpoint", "load_checkpoint", "inspect_checkpoint", "CheckpointError",
+                                 "LoadedCheckpoint")})
 
 
 def __getattr__(name: str) -> Any:

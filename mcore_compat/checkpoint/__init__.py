@@ -1,0 +1,32 @@
+"""Checkpoints that survive a Megatron-Core upgrade: save on one release, resume on another.
+
+::
+
+    import mcore_compat as mc
+
+    mc.save_checkpoint("ckpt/step_100", chunks, optimizer, scheduler=sched, extra={"seen": n}, iteration=100)
+    loaded = mc.load_checkpoint("ckpt/step_100", chunks, optimizer, scheduler=sched)   # in place, every rank
+    loaded.iteration, loaded.extra
+
+One format on every release (:mod:`.manifest`): per-rank torch files and a JSON manifest; the optimizer state is
+stored per model parameter, so it reshards over data-parallel size and loads on other releases. A refusal
+(:class:`CheckpointError` and its subclasses) happens before anything is written into the model or optimizer.
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointInProgressError,
+    CheckpointMismatchError,
+    CheckpointReshardError,
+)
+from .inspect import inspect_checkpoint
+from .load import LoadedCheckpoint, load_checkpoint
+from .manifest import FORMAT, Manifest, read_manifest
+from .save import save_checkpoint
+
+__all__ = ["FORMAT", "CheckpointError", "CheckpointFormatError", "CheckpointInProgressError",
+           "CheckpointMismatchError", "CheckpointReshardError", "LoadedCheckpoint", "Manifest",
+           "inspect_checkpoint", "load_checkpoint", "read_manifest", "save_checkpoint"]

@@ -1,0 +1,81 @@
+"""What a checkpoint holds and who can load it (``mcore-compat checkpoint inspect``), read without Megatron."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .manifest import FORMAT, Manifest, read_manifest
+
+__all__ = ["inspect_checkpoint", "render"]
+
+#: Who can load which part of a checkpoint of this format (the format is the same on every release).
+LOADABLE = {
+    "weights": "every release 0.4-0.19 whose model has the same parameter names and shapes, at the same TP, PP, "
+               "EP and virtual-stage layout (any data-parallel size)",
+    "optimizer": "the same, into a distributed or non-distributed optimizer of any data-parallel size (main params, "
+                 "both Adam moments and step reassembled per parameter)",
+}
+
+
+def _describe(value: Any) -> dict[str, Any]:
+    if isinstance(value, torch.Tensor):
+        return {"shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
+    return {"type": type(value).__name__}
+
+
+def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest, and of the first shard: each chunk's tensors (name, shape, dtype), the optimizer's records
+    (param, range, state names) and what else it holds; who can load what.
+
+    Raises:
+        CheckpointFormatError, CheckpointInProgressError: as :func:`~.load.load_checkpoint`.
+    """
+    root = Path(path)
+    manifest: Manifest = read_manifest(root)
+    first = manifest.files[0]
+    shard = torch.load(root / first.name, map_location="cpu", weights_only=True, mmap=True)
+    optimizer = shard.get("optimizer")
+    return {
+        "path": str(root), "manifest": manifest.to_json(), "shard": first.name,
+        "model": [{k: _describe(v) for k, v in chunk.items()} for chunk in shard["model"]],
+        "optimizer": None if optimizer is None else [
+            {"key": r["key"], "numel": r["numel"], "range": [r["start"], r["end"]],
+             "main": _describe(r["main"]), "state": sorted(r["state"])} for r in optimizer["params"]],
+        "scheduler": shard.get("scheduler") is not None, "rng": sorted(shard.get("rng") or {}),
+        "iteration": shard.get("iteration"), "extra": sorted(shard.get("extra") or {}),
+        "written_by": {"mcore_compat": manifest.mcore_compat, "megatron_core": manifest.megatron_core,
+                       "torch": manifest.torch},
+        "loadable": LOADABLE if manifest.format == FORMAT else {},
+    }
+
+
+def render(info: dict[str, Any]) -> str:
+    """The human-readable text of :func:`inspect_checkpoint`'s result."""
+    m = info["manifest"]
+    lay = m["layout"]
+    lines = [f"checkpoint {info['path']}",
+             f"  format        {m['format']} v{m['format_version']} (optimizer: {m['optimizer_format']})",
+             f"  written by    mcore_compat {m['mcore_compat']}, megatron-core {m['megatron_core']}, torch {m['torch']}",
+             f"  layout        TP={lay['tp']} PP={lay['pp']} DP={lay['dp']} EP={lay['ep']} VPP={lay['vpp']} "
+             f"(world {lay['world']}), distributed optimizer {'on' if m['distributed_optimizer'] else 'off'}",
+             f"  holds         model{', optimizer' if m['has_optimizer'] else ''}"
+             f"{', scheduler' if m['has_scheduler'] else ''}, rng, iteration {m['iteration']}"
+             f"{', extra ' + ','.join(info['extra']) if info['extra'] else ''}",
+             f"  shards        {len(m['files'])} files, {sum(f['bytes'] for f in m['files'])} bytes",
+             f"  {info['shard']}:"]
+    for i, chunk in enumerate(info["model"]):
+        lines.append(f"    chunk {i}: {len(chunk)} entries")
+        for name, d in chunk.items():
+            lines.append(f"      {name:60s} {d.get('dtype', d.get('type'))} {tuple(d.get('shape', ()))}")
+    if info["optimizer"] is not None:
+        lines.append(f"    optimizer: {len(info['optimizer'])} main params")
+        for r in info["optimizer"]:
+            rng = "all" if r["range"][0] is None else f"[{r['range'][0]}:{r['range'][1]}]"
+            lines.append(f"      {r['key']:60s} {rng} of {r['numel']}  state {','.join(r['state']) or '-'}")
+    lines.append("  loadable")
+    lines.extend(f"    {part:10s} {text}" for part, text in info["loadable"].items())
+    return "\n".join(lines)

@@ -1,0 +1,305 @@
+"""``load_checkpoint``: every rank plans its whole load (reads, matches and checks everything), the ranks agree
+that every plan is sound, and only then are values written into the model, the optimizer and the scheduler.
+
+A refusal on any rank is raised on every rank (its message names the rank) and leaves every rank's model and
+optimizer as they were. Resharding: the optimizer's records are keyed by model parameter and flattened range
+(:mod:`.state`), so they are reassembled per parameter and cut to this rank's range: a checkpoint loads at
+another data-parallel size and with or without the distributed optimizer, exactly; another TP / PP / EP /
+virtual-stage layout is refused before anything is read into the model.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..layout.read import unwrap
+from .coords import Coords, coords, is_expert
+from .errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointInProgressError,
+    CheckpointMismatchError,
+    CheckpointReshardError,
+)
+from .manifest import FORMAT, Manifest, ShardFile, read_manifest
+from .save import _gather
+from .state import leaves, main_params, named_params, param_key, restore_rng
+
+__all__ = ["LoadedCheckpoint", "load_checkpoint"]
+
+_ERRORS: dict[str, type[CheckpointError]] = {c.__name__: c for c in (
+    CheckpointError, CheckpointFormatError, CheckpointInProgressError, CheckpointMismatchError, CheckpointReshardError)}
+_FIXED_DIMS = (("tp", "TP"), ("pp", "PP"), ("ep", "EP"), ("vpp", "VPP"))
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """What :func:`load_checkpoint` loaded.
+
+    Attributes:
+        iteration: the iteration given to ``save_checkpoint`` (``None`` if none was).
+        extra: this rank's ``extra`` (the saving rank at the same place in the layout).
+        manifest: the checkpoint's manifest (versions, layout, files).
+        rng_restored: the RNG states were restored (same layout as at save; after a reshard they are not).
+        optimizer_loaded: the optimizer's state was loaded.
+    """
+
+    iteration: int | None
+    extra: dict[str, Any] | None
+    manifest: Manifest
+    rng_restored: bool
+    optimizer_loaded: bool
+
+
+@dataclass
+class _Plan:
+    """Everything one rank will write, decided before anything is."""
+
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    states: list[tuple[Any, Any, dict[str, Any]]] = field(default_factory=list)  # (inner optimizer, main, state)
+    groups: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
+    scalers: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)
+    rng: dict[str, Any] | None = None
+    undo: list[Callable[[], None]] = field(default_factory=list)
+    result: LoadedCheckpoint | None = None
+
+    def apply(self) -> None:
+        with torch.no_grad():
+            for dest, src in self.copies:
+                dest.copy_(src)
+        for inner, main, state in self.states:
+            inner.state[main] = state
+        for group, settings in self.groups:
+            for k, v in settings.items():
+                if k in group:
+                    group[k] = tuple(v) if isinstance(group[k], tuple) else v
+        for scaler, state in self.scalers:
+            scaler.load_state_dict(state)
+        if self.rng is not None:
+            restore_rng(self.rng)
+
+
+def _read_shard(root: Path, shard: ShardFile) -> dict[str, Any]:
+    try:
+        data = torch.load(root / shard.name, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        raise CheckpointFormatError(f"shard {root / shard.name} cannot be read ({type(exc).__name__}: {exc}): "
+                                    "truncated or corrupt; copy the checkpoint again") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointFormatError(f"{root / shard.name} is not a shard of format {FORMAT}")
+    return data
+
+
+def _check_layout(root: Path, manifest: Manifest, where: Coords) -> None:
+    mine = where.layout()
+    differ = [f"{label} {manifest.layout[k]} -> {mine[k]}" for k, label in _FIXED_DIMS if manifest.layout[k] != mine[k]]
+    if differ:
+        raise CheckpointReshardError(
+            f"{root} was saved at {manifest.layout_text()}; this job differs in {', '.join(differ)}. The {FORMAT} "
+            f"format reshards over data-parallel size (and distributed optimizer on/off) only: resume with "
+            f"TP={manifest.layout['tp']} PP={manifest.layout['pp']} EP={manifest.layout['ep']} "
+            f"VPP={manifest.layout['vpp']}, or export full weights for another layout with mcore_compat.gather_full")
+
+
+def _model_copies(plan: _Plan, chunks: list[Any], saved: list[dict[str, Any]], strict: bool, source: str) -> None:
+    if len(saved) != len(chunks):
+        raise CheckpointMismatchError(f"{source} holds {len(saved)} model chunk(s), the model has {len(chunks)}")
+    for i, (chunk, state) in enumerate(zip(chunks, saved, strict=True)):
+        target = unwrap(chunk).state_dict(keep_vars=True)
+        tensors = {k: v for k, v in target.items() if isinstance(v, torch.Tensor)}
+        stored = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        missing, unexpected = sorted(set(tensors) - set(stored)), sorted(set(stored) - set(tensors))
+        if strict and (missing or unexpected):
+            raise CheckpointMismatchError(
+                f"chunk {i} does not match {source}: missing in the checkpoint {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}, not in the model {unexpected[:5]}"
+                f"{' ...' if len(unexpected) > 5 else ''} (strict=False loads the names both have)")
+        for name in sorted(set(tensors) & set(stored)):
+            dest, src = tensors[name], stored[name]
+            if dest.shape != src.shape or dest.dtype != src.dtype:
+                raise CheckpointMismatchError(
+                    f"chunk {i} {name}: the checkpoint has {src.dtype} {tuple(src.shape)}, the model "
+                    f"{dest.dtype} {tuple(dest.shape)} (another model configuration, dtype or TP size)")
+            plan.copies.append((dest.detach(), src))
+
+
+def _assemble(key: str, records: list[dict[str, Any]], get: Callable[[dict[str, Any]], Any]) -> torch.Tensor:
+    """The full flattened tensor of one param from its records (each a range; a record without one is whole)."""
+    for r in records:
+        if r["start"] is None:
+            return get(r).reshape(-1)
+    numel = records[0]["numel"]
+    pieces, at = [], 0
+    for r in sorted(records, key=lambda r: r["start"]):
+        if r["start"] > at:
+            break
+        if r["end"] > at:
+            pieces.append(get(r).reshape(-1)[at - r["start"]:])
+            at = r["end"]
+    if at != numel:
+        raise CheckpointFormatError(f"the optimizer records of {key} cover elements [0, {at}) of {numel}: a shard "
+                                    "of the checkpoint is missing")
+    return torch.cat(pieces)
+
+
+def _state_of(name: str) -> Callable[[dict[str, Any]], Any]:
+    return lambda record: record["state"][name]
+
+
+def _optimizer_plan(plan: _Plan, chunks: list[Any], optimizer: Any, shards: list[dict[str, Any]],
+                    source: dict[str, Any], where: Coords, strict: bool) -> None:
+    index: dict[str, list[dict[str, Any]]] = {}
+    for shard in shards:
+        for record in shard["optimizer"]["params"]:
+            index.setdefault(record["key"], []).append(record)
+    cache: dict[tuple[str, str], torch.Tensor] = {}
+
+    def full(key: str, what: str, get: Callable[[dict[str, Any]], Any]) -> torch.Tensor:
+        if (key, what) not in cache:
+            cache[key, what] = _assemble(key, index[key], get)
+        return cache[key, what]
+
+    for mp in main_params(chunks, optimizer):
+        key = param_key(mp, where)
+        records = index.get(key)
+        if not records:
+            raise CheckpointMismatchError(f"the checkpoint has no optimizer state for {mp.name} (a param the "
+                                          "checkpoint's model did not train)")
+        if records[0]["numel"] != mp.model.numel():
+            raise CheckpointMismatchError(f"{mp.name}: {records[0]['numel']} elements in the checkpoint, "
+                                          f"{mp.model.numel()} in the model")
+        lo, hi = (0, mp.model.numel()) if mp.start is None else (mp.start, mp.end)
+        main = full(key, "main", lambda r: r["main"])[lo:hi]
+        plan.copies.append((mp.main.detach(), main.reshape(mp.main.shape).to(mp.main.dtype)))
+        current = mp.inner.state.get(mp.main, {})
+        state: dict[str, Any] = {}
+        for name, value in records[0]["state"].items():
+            if isinstance(value, torch.Tensor) and value.numel() == (records[0]["end"] or records[0]["numel"]) \
+                    - (records[0]["start"] or 0) and value.dim() > 0:
+                part = full(key, name, _state_of(name))[lo:hi]
+                state[name] = part.reshape(mp.main.shape).to(device=mp.main.device, dtype=value.dtype).clone()
+            elif isinstance(value, torch.Tensor):
+                device = current[name].device if isinstance(current.get(name), torch.Tensor) else value.device
+                state[name] = value.to(device).clone()
+            else:
+                state[name] = value
+        plan.states.append((mp.inner, mp.main, state))
+    trained = {f"{n}@ep{where.ep}" if is_expert(p) else n for p, n in named_params(chunks).items() if p.requires_grad}
+    mine = {k for k in index if "@ep" not in k or k.endswith(f"@ep{where.ep}")}
+    if strict and mine - trained:
+        extra = sorted(mine - trained)
+        raise CheckpointMismatchError(f"the checkpoint has optimizer state for params this optimizer does not "
+                                      f"update: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    inners: list[Any] = []
+    for leaf in leaves(optimizer):
+        inner = getattr(leaf, "optimizer", None)
+        if inner is not None and all(inner is not i for i in inners):
+            inners.append(inner)
+    saved_groups = source["optimizer"]["groups"]
+    if [len(g) for g in saved_groups] == [len(i.param_groups) for i in inners]:
+        for inner, groups in zip(inners, saved_groups, strict=True):
+            plan.groups.extend(zip(inner.param_groups, groups, strict=True))
+    elif strict:
+        raise CheckpointMismatchError(
+            f"the optimizer's param groups {[len(i.param_groups) for i in inners]} differ from the checkpoint's "
+            f"{[len(g) for g in saved_groups]} (another weight-decay / lr-multiplier grouping)")
+    scalers = [getattr(leaf, "grad_scaler", None) for leaf in leaves(optimizer)]
+    saved_scalers = source["optimizer"]["grad_scalers"]
+    if len(scalers) == len(saved_scalers):
+        plan.scalers.extend((s, st) for s, st in zip(scalers, saved_scalers, strict=True)
+                            if s is not None and st is not None)
+
+
+def _plan(root: Path, chunks: list[Any], optimizer: Any, scheduler: Any, strict: bool, where: Coords) -> _Plan:
+    manifest = read_manifest(root)
+    _check_layout(root, manifest, where)
+    ours = [f for f in manifest.files if f.coords["tp"] == where.tp and f.coords["pp"] == where.pp]
+    model_files = [f for f in ours if f.coords["ep"] == where.ep]
+    if not model_files:
+        raise CheckpointFormatError(f"{root} has no shard for TP rank {where.tp}, PP rank {where.pp}, EP rank "
+                                    f"{where.ep}")
+    same = manifest.layout == where.layout()
+    own = next((f for f in model_files if same and f.coords == where.as_dict()), None)
+    source_file = own or model_files[0]
+    shards = {f.name: _read_shard(root, f) for f in (ours if optimizer is not None else [source_file])}
+    source = shards[source_file.name]
+    plan = _Plan()
+    _model_copies(plan, chunks, source["model"], strict, source_file.name)
+    if optimizer is not None:
+        if source["optimizer"] is None:
+            if strict:
+                raise CheckpointMismatchError(f"{root} holds no optimizer state (saved without an optimizer): load "
+                                              "the weights with load_checkpoint(path, chunks)")
+        else:
+            _optimizer_plan(plan, chunks, optimizer, list(shards.values()), source, where, strict)
+    if scheduler is not None:
+        if source["scheduler"] is None:
+            if strict:
+                raise CheckpointMismatchError(f"{root} holds no scheduler state (saved without scheduler=)")
+        else:
+            before = scheduler.state_dict()
+            try:
+                scheduler.load_state_dict(source["scheduler"])
+            except Exception as exc:
+                scheduler.load_state_dict(before)
+                raise CheckpointMismatchError(f"the scheduler refused the checkpoint's state: {exc}") from None
+            plan.undo.append(lambda: scheduler.load_state_dict(before))
+    plan.rng = source["rng"] if own is not None else None
+    plan.result = LoadedCheckpoint(iteration=source["iteration"], extra=source["extra"], manifest=manifest,
+                                   rng_restored=own is not None,
+                                   optimizer_loaded=optimizer is not None and source["optimizer"] is not None)
+    return plan
+
+
+def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = None, *, scheduler: Any = None,
+                    strict: bool = True) -> LoadedCheckpoint:
+    """Load a checkpoint written by :func:`~.save.save_checkpoint` into the model chunks (and optimizer,
+    scheduler), in place. Call it on every rank, after building the model and optimizer as for training.
+
+    Args:
+        path: the checkpoint directory.
+        chunks: the DDP-wrapped model chunk, or the list of them.
+        optimizer: the optimizer to load main params, Adam moments, step, param-group settings and grad scaler
+            into; ``None`` loads the weights only.
+        scheduler: the scheduler to load (``load_state_dict``), or ``None``.
+        strict: refuse a checkpoint whose names differ from the model's (or that lacks optimizer / scheduler
+            state asked for); ``False`` loads what both have. Shapes and dtypes must always match.
+
+    Returns:
+        A :class:`LoadedCheckpoint` (iteration, this rank's extra, manifest, whether RNG states were restored).
+
+    Raises:
+        CheckpointFormatError: not a (complete) checkpoint of this format: no manifest, a shard missing or
+            truncated.
+        CheckpointInProgressError: another process is writing it (or died doing so).
+        CheckpointMismatchError: it does not fit the model / optimizer / scheduler.
+        CheckpointReshardError: saved at another TP, PP, EP or virtual-stage layout.
+        Each is raised on every rank when any rank refuses; nothing is loaded then.
+    """
+    chunk_list = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    where = coords(len(chunk_list))
+    plan: _Plan | None = None
+    failure: BaseException | None = None
+    try:
+        plan = _plan(Path(path), chunk_list, optimizer, scheduler, strict, where)
+    except Exception as exc:
+        failure = exc
+    reports = _gather(None if failure is None else (type(failure).__name__, str(failure), where.rank))
+    refused = [r for r in reports if r is not None]
+    if refused:
+        if plan is not None:
+            for undo in plan.undo:
+                undo()
+        if failure is not None:
+            raise failure
+        name, message, rank = refused[0]
+        raise _ERRORS.get(name, CheckpointError)(f"refused on rank {rank}: {message}")
+    assert plan is not None and plan.result is not None
+    plan.apply()
+    return plan.result

@@ -1,0 +1,332 @@
+"""Scenarios for tests/test_checkpoint.py, run on every rank of ONE 2-rank gloo group (the session's ``rank_group``).
+
+Resume: a run trains K steps, saves, trains M more (the uninterrupted run); a fresh build (other seed, so its
+weights differ before the load) loads the checkpoint and trains M steps. Their weights, main params, both Adam
+moments, step counts and losses must be equal bit for bit. Configurations: DP=2 with the distributed optimizer
+(bf16, dropout, a scheduler) and without (fp32), TP=2 (sequence parallel, dropout), PP=2 with tied embeddings,
+MoE with EP=2 where the release has it. Then resharding (distributed optimizer <-> not, at DP=2; TP refused)
+and bad input (nothing loaded after a refusal). ``run_all()`` returns plain data; the pytest side asserts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from _training_scenarios import apply_patches
+
+K, M = 2, 2
+BASE = dict(nproc=2, lr=1e-2, weight_decay=0.1, clip_grad=1.0, bind=False, device="cpu", seed=1234)
+#: name -> SelfCheckOptions fields
+CONFIGS: dict[str, dict[str, Any]] = {
+    "dp2-distopt-bf16": dict(dp=2, distributed_optimizer=True, dtype="bf16", dropout=0.1),
+    "dp2-plain-fp32": dict(dp=2, distributed_optimizer=False, dtype="fp32"),
+    "tp2-sp-bf16": dict(tp=2, distributed_optimizer=True, dtype="bf16", sequence_parallel=True, dropout=0.1),
+    "pp2-tied-fp32": dict(pp=2, distributed_optimizer=False, dtype="fp32", tie_embeddings=True),
+    "ep2-moe-bf16": dict(dp=2, experts=2, ep=2, distributed_optimizer=True, dtype="bf16"),
+}
+
+
+def _opts(name: str, **over: Any) -> Any:
+    from mcore_compat.selfcheck.options import SelfCheckOptions
+
+    return dataclasses.replace(SelfCheckOptions(**BASE, **CONFIGS[name]), **over).resolved()
+
+
+def unsupported(name: str) -> str | None:
+    from mcore_compat.selfcheck.models import unsupported_reason
+
+    return unsupported_reason(_opts(name))
+
+
+class Run:
+    """One model + optimizer (+ scheduler) built for ``opts``, and how to train it."""
+
+    def __init__(self, opts: Any, scheduler: bool = False) -> None:
+        from mcore_compat import training
+        from mcore_compat.selfcheck import models
+        from mcore_compat.selfcheck.worker import no_decay
+
+        self.opts = opts
+        models.init_parallel(opts)
+        modules, _ = models.build_chunks(opts)
+        self.chunks = training.wrap_ddp(modules, ddp_config=models.ddp_config(opts))
+        config = dataclasses.replace(models.optim_config(opts), min_lr=1e-4)
+        self.optimizer = training.get_megatron_optimizer(config, self.chunks, no_weight_decay_cond=no_decay)
+        training.install_training_hooks(self.chunks, self.optimizer)
+        self.scheduler = training.optimizer_param_scheduler(
+            self.optimizer, 1e-3, opts.lr, 1e-4, 2, 8, "cosine", 0.1, 0.1, 8, "constant") if scheduler else None
+
+    def step(self) -> float | None:
+        import torch
+
+        from mcore_compat import training
+        from mcore_compat.selfcheck import models
+        from mcore_compat.training._common import parallel_state
+
+        ps = parallel_state()
+        training.zero_grad_buffer(self.chunks, self.optimizer)
+        batches = models.make_batches(self.opts, ps.get_data_parallel_rank())
+        out = training.forward_backward(models.forward_step(self.opts), models.data_iterators(batches, self.chunks),
+                                        self.chunks, models.MICROBATCHES, seq_length=models.SEQ,
+                                        micro_batch_size=models.MICRO_BATCH)
+        ok, _, _ = training.optimizer_step(self.optimizer)
+        assert ok
+        if self.scheduler is not None:
+            self.scheduler.step(1)
+        losses = [float(o["loss"]) for o in out if isinstance(o, dict) and "loss" in o]
+        return float(torch.tensor(losses).sum()) if losses else None  # None: not the last pipeline stage
+
+    def state(self) -> dict[str, Any]:
+        """Every model tensor, main param and optimizer state value, labelled by param and range."""
+        from mcore_compat.checkpoint.state import main_params
+        from mcore_compat.layout.read import unwrap
+
+        out = {f"model:{i}.{k}": v.detach().clone() for i, c in enumerate(self.chunks)
+               for k, v in unwrap(c).state_dict().items() if hasattr(v, "detach")}
+        for mp in main_params(self.chunks, self.optimizer):
+            label = f"{mp.name}[{mp.start}:{mp.end}]"
+            out[f"main:{label}"] = mp.main.detach().clone()
+            for k, v in mp.inner.state.get(mp.main, {}).items():
+                out[f"state:{label}.{k}"] = v.detach().clone() if hasattr(v, "detach") else v
+        return out
+
+    def release(self) -> None:
+        from mcore_compat.selfcheck.models import release_chunks
+
+        release_chunks(self.chunks)
+
+
+def _diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    import torch
+
+    out = sorted(set(a) ^ set(b))
+    for k in sorted(set(a) & set(b)):
+        x, y = a[k], b[k]
+        same = torch.equal(x, y) and x.dtype == y.dtype if isinstance(x, torch.Tensor) else x == y
+        if not same:
+            out.append(k)
+    return out
+
+
+def _shared_dir(tag: str) -> str:
+    import torch.distributed as dist
+
+    from mcore_compat.checkpoint.save import _gather
+
+    root = _gather(os.environ.get("MCORE_COMPAT_CKPT_TMP") or f"/tmp/mcc-ckpt-{os.getpid()}")[0]
+    path = os.path.join(root, tag)
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+    return path
+
+
+def case_resume(name: str) -> dict[str, Any]:
+    import mcore_compat as mc
+
+    with_sched = name == "dp2-distopt-bf16"
+    opts = _opts(name)
+    path = _shared_dir(name)
+    run = Run(opts, scheduler=with_sched)
+    losses = [run.step() for _ in range(K)]
+    mc.save_checkpoint(path, run.chunks, run.optimizer, scheduler=run.scheduler, extra={"seen": K}, iteration=K)
+    at_save = run.state()
+    tail = [run.step() for _ in range(M)]
+    final = run.state()
+    run.release()
+    fresh = Run(dataclasses.replace(opts, seed=opts.seed + 1), scheduler=with_sched)
+    fresh.opts = opts  # same data as the first run
+    differs_before = len(_diff(fresh.state(), at_save))
+    loaded = mc.load_checkpoint(path, fresh.chunks, fresh.optimizer, scheduler=fresh.scheduler)
+    after_load = _diff(fresh.state(), at_save)
+    fresh_tail = [fresh.step() for _ in range(M)]
+    result = {"status": "ok", "losses": losses, "tail": tail, "fresh_tail": fresh_tail,
+              "differs_before": differs_before, "after_load": after_load,
+              "final_diff": _diff(fresh.state(), final), "n_values": len(final),
+              "n_state": sum(1 for k in final if k.startswith("state:")),
+              "iteration": loaded.iteration, "extra": loaded.extra, "rng_restored": loaded.rng_restored,
+              "scheduler": None if fresh.scheduler is None else str(fresh.scheduler.state_dict())}
+    fresh.release()
+    return result
+
+
+def case_reshard() -> dict[str, Any]:
+    """DP=2 distributed optimizer -> DP=2 plain and back: the loaded values equal the saved ones (per param);
+    a TP=2 build refuses the DP=2 checkpoint before loading anything."""
+    import mcore_compat as mc
+
+    out: dict[str, Any] = {"status": "ok"}
+    for src, dst in (("dp2-distopt-bf16", "dp2-plain-fp32"), ("dp2-plain-fp32", "dp2-distopt-bf16")):
+        src_opts = _opts(src, dropout=0.0, dtype="fp32")
+        dst_opts = _opts(dst, dropout=0.0, dtype="fp32")
+        path = _shared_dir(f"reshard-{src}")
+        run = Run(src_opts)
+        run.step()
+        mc.save_checkpoint(path, run.chunks, run.optimizer)
+        full = _full_state(run)
+        run.release()
+        other = Run(dataclasses.replace(dst_opts, seed=99))
+        mc.load_checkpoint(path, other.chunks, other.optimizer)
+        out[f"{src}->{dst}"] = _diff(_full_state(other), full)
+        other.release()
+    tp = Run(_opts("tp2-sp-bf16", seed=7))
+    before = tp.state()
+    try:
+        mc.load_checkpoint(path, tp.chunks, tp.optimizer)
+        out["tp_refusal"] = None
+    except mc.CheckpointError as exc:
+        out["tp_refusal"] = f"{type(exc).__name__}: {exc}"
+    out["tp_unchanged"] = _diff(tp.state(), before)
+    tp.release()
+    return out
+
+
+def _full_state(run: Run) -> dict[str, Any]:
+    """Weights, and per param the full main param and moments gathered over the data-parallel ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from mcore_compat.checkpoint.state import main_params
+    from mcore_compat.layout.read import unwrap
+
+    out: dict[str, Any] = {f"model:{i}.{k}": v.detach().float().clone() for i, c in enumerate(run.chunks)
+                           for k, v in unwrap(c).state_dict().items() if hasattr(v, "detach")}
+    from mcore_compat.checkpoint.state import named_params
+
+    trainable = {n: p for p, n in named_params(run.chunks).items() if p.requires_grad}
+    pieces = {f"{what}:{n}": torch.zeros(p.numel()) for n, p in sorted(trainable.items())
+              for what in ("main", "exp_avg", "exp_avg_sq", "step")}
+    views = list(main_params(run.chunks, run.optimizer))
+    for mp in views:
+        lo = 0 if mp.start is None else mp.start
+        st = mp.inner.state.get(mp.main, {})
+        for what, t in (("main", mp.main), ("exp_avg", st.get("exp_avg")), ("exp_avg_sq", st.get("exp_avg_sq"))):
+            pieces[f"{what}:{mp.name}"][lo:lo + t.numel()] = t.detach().reshape(-1).float()
+        pieces[f"step:{mp.name}"][0] = float(st["step"])
+    sharded = any(mp.sharded for mp in views)
+    for k in sorted(pieces):
+        if sharded:
+            dist.all_reduce(pieces[k], op=dist.ReduceOp.MAX if k.startswith("step:") else dist.ReduceOp.SUM)
+        out[k] = pieces[k]
+    return out
+
+
+def case_bad_input() -> dict[str, Any]:
+    """Each bad checkpoint refused with its error class; the model and optimizer unchanged after it."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    import mcore_compat as mc
+    from mcore_compat.checkpoint import manifest as man
+
+    opts = _opts("dp2-distopt-bf16", dropout=0.0)
+    good = _shared_dir("bad-good")
+    run = Run(opts)
+    run.step()
+    mc.save_checkpoint(good, run.chunks, run.optimizer)
+    run.step()
+    before = run.state()
+    rank = dist.get_rank()
+    results: dict[str, Any] = {"status": "ok"}
+
+    def variant(tag: str, mutate: Callable[[Path], None]) -> str:
+        path = Path(_shared_dir(f"bad-{tag}"))
+        if rank == 0:
+            shutil.copytree(good, path)
+            mutate(path)
+        dist.barrier()
+        return str(path)
+
+    def truncate(p: Path) -> None:
+        f = p / man.shard_name(1)
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+    def truncate_keep_size(p: Path) -> None:  # same size, garbage inside
+        f = p / man.shard_name(1)
+        f.write_bytes(b"\0" * f.stat().st_size)
+
+    def foreign(p: Path) -> None:
+        (p / man.MANIFEST).unlink()
+        (p / "metadata.json").write_text("{}")
+
+    def writing(p: Path) -> None:
+        (p / man.MARKER).write_text(json.dumps({"pid": 4242, "host": "elsewhere", "started": "now"}))
+
+    def missing(p: Path) -> None:
+        (p / man.shard_name(1)).unlink()
+
+    paths = {"truncated": variant("truncated", truncate), "corrupt": variant("corrupt", truncate_keep_size),
+             "foreign": variant("foreign", foreign), "in_progress": variant("in-progress", writing),
+             "missing_shard": variant("missing", missing)}
+    for tag, path in paths.items():
+        try:
+            mc.load_checkpoint(path, run.chunks, run.optimizer)
+            results[tag] = None
+        except mc.CheckpointError as exc:
+            results[tag] = f"{type(exc).__name__}: {exc}"
+    results["unchanged"] = _diff(run.state(), before)
+    run.release()
+    # a model that does not match: other shapes (hidden size via another model), other names (MLP), no optimizer
+    for tag, other in (("other_model", _opts("dp2-distopt-bf16", model="mlp", dropout=0.0)),
+                       ("other_dtype", _opts("dp2-distopt-bf16", dtype="fp32", dropout=0.0))):
+        o = Run(other)
+        o.step()
+        snap = o.state()
+        try:
+            mc.load_checkpoint(good, o.chunks, o.optimizer)
+            results[tag] = None
+        except mc.CheckpointError as exc:
+            results[tag] = f"{type(exc).__name__}: {exc}"
+        results[f"{tag}_unchanged"] = _diff(o.state(), snap)
+        o.release()
+    return results
+
+
+def cases() -> dict[str, Callable[[], dict[str, Any]]]:
+    out: dict[str, Callable[[], dict[str, Any]]] = {}
+    for name in CONFIGS:
+        out[f"resume-{name}"] = (lambda n=name: case_resume(n))
+    out["reshard"] = case_reshard
+    out["bad-input"] = case_bad_input
+    return out
+
+
+CASE_NAMES = list(cases())
+
+
+def run_all(only: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Every case (or those named in ``only``) on this rank: ``{"version": str, "cases": {name: result}}``."""
+    import torch.distributed as dist
+
+    apply_patches()
+    from mcore_compat.detect import detect
+
+    version = str(detect().version)
+    results: dict[str, Any] = {}
+    for name, fn in cases().items():
+        if only and name not in only:
+            continue
+        config = name.removeprefix("resume-")
+        why = unsupported(config) if config in CONFIGS else None
+        if why is not None:
+            results[name] = {"status": "unsupported", "reason": why}
+            continue
+        try:
+            results[name] = fn()
+        except Exception:
+            results[name] = {"status": "error", "error": traceback.format_exc()}
+            dist.barrier()
+    from mcore_compat.training._common import parallel_state
+
+    parallel_state().destroy_model_parallel()
+    root = os.path.dirname(_shared_dir("done"))
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"version": version, "cases": results}

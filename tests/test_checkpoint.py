@@ -1,0 +1,64 @@
+"""Checkpoints (``mcore_compat.save_checkpoint`` / ``load_checkpoint``): exact resume in every release session,
+resharding over data-parallel size, refusals that leave the model and optimizer untouched.
+
+ONE module-scoped ``run_all`` on the session's 2 gloo ranks (tests/_checkpoint_scenarios.py); the tests assert.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import _checkpoint_scenarios as SCENARIOS
+import pytest
+from conftest import case_results, run_scenarios
+
+RESUME = [n for n in SCENARIOS.CASE_NAMES if n.startswith("resume-")]
+
+
+@pytest.fixture(scope="module")
+def results(rank_group: Any) -> dict[str, Any]:
+    return run_scenarios(rank_group, SCENARIOS.run_all, timeout=600)
+
+
+def _case(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    per_rank = case_results(results, name)
+    if per_rank[0]["status"] == "unsupported":
+        pytest.skip(f"release limit of megatron-core {results['version']}: {per_rank[0]['reason']}")
+    return per_rank
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("name", RESUME)
+def test_resume_is_exact(results: dict[str, Any], name: str) -> None:
+    for r in _case(results, name):
+        assert r["differs_before"] > 0  # the fresh build really started elsewhere
+        assert r["after_load"] == [], r["after_load"]  # weights, main params, both moments, step: as saved
+        assert r["n_state"] >= 3  # Adam's exp_avg, exp_avg_sq and step were among the values compared
+        assert r["fresh_tail"] == r["tail"], (r["fresh_tail"], r["tail"])  # the loss curve, bit for bit
+        assert r["final_diff"] == [], r["final_diff"]  # and everything after M more steps
+        assert r["iteration"] == SCENARIOS.K and r["extra"] == {"seen": SCENARIOS.K} and r["rng_restored"]
+
+
+@pytest.mark.mcore
+def test_reshard_distributed_optimizer_on_off(results: dict[str, Any]) -> None:
+    for r in _case(results, "reshard"):
+        assert r["dp2-distopt-bf16->dp2-plain-fp32"] == [], r["dp2-distopt-bf16->dp2-plain-fp32"]
+        assert r["dp2-plain-fp32->dp2-distopt-bf16"] == [], r["dp2-plain-fp32->dp2-distopt-bf16"]
+        assert r["tp_refusal"] and r["tp_refusal"].startswith("CheckpointReshardError") \
+            and "TP 1 -> 2" in r["tp_refusal"] and "mcore_compat.torch" in r["tp_refusal"], r["tp_refusal"]
+        assert r["tp_unchanged"] == [], r["tp_unchanged"]
+
+
+BAD = {"truncated": "CheckpointFormatError", "corrupt": "CheckpointFormatError", "foreign": "CheckpointFormatError",
+       "in_progress": "CheckpointInProgressError", "missing_shard": "CheckpointFormatError",
+       "other_model": "CheckpointMismatchError", "other_dtype": "CheckpointMismatchError"}
+
+
+@pytest.mark.mcore
+@pytest.mark.parametrize("tag", list(BAD))
+def test_bad_checkpoint_refused_and_nothing_loaded(results: dict[str, Any], tag: str) -> None:
+    for r in _case(results, "bad-input"):
+        assert r[tag] is not None and r[tag].startswith(BAD[tag]), r[tag]
+        assert "\n" not in r[tag]
+        unchanged = r["unchanged"] if tag not in ("other_model", "other_dtype") else r[f"{tag}_unchanged"]
+        assert unchanged == [], unchanged
