@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import McoreCompatError
 from . import models, plain_gpt
 from .options import SelfCheckOptions
 from .reference import core_module
@@ -323,7 +324,7 @@ class IndependentReference:
         return Check(NAME, True, text, {"worst_grad": grad, "worst_loss": loss, "where": where})
 
 
-class _NotModelled(Exception):
+class _NotModelled(McoreCompatError):
     """The gathered model is not one the float64 model stands for."""
 
 
