@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -125,10 +126,8 @@ def capture_rng() -> dict[str, Any]:
     out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [py[0], list(py[1]), py[2]],
                            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
                            "tracker": {}}
-    try:
+    if "megatron.core.tensor_parallel.random" in sys.modules:  # not imported: its tracker holds no state
         out["tracker"] = {k: _cpu(v) for k, v in _tracker().get_states().items()}
-    except ImportError:  # no Megatron: nothing to record
-        pass
     return out
 
 

@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The parser and its subcommands' parsers by name."""
-    from . import doctor, selfcheck
+    from . import checkpoint, doctor, selfcheck
 
     parser = _Parser(
         prog="mcore-compat",
@@ -38,6 +38,7 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     doctor.add_parser(sub)
     selfcheck.add_parser(sub)
+    checkpoint.add_parser(sub)
     return parser, dict(sub.choices)
 
 

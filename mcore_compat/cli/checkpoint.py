@@ -1,0 +1,39 @@
+"""``mcore-compat checkpoint inspect PATH [--json]``: what a checkpoint holds, who wrote it, who can load it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["add_parser", "run_inspect"]
+
+
+def add_parser(sub: Any) -> None:
+    """Register the ``checkpoint`` subcommand (and its ``inspect`` action)."""
+    p = sub.add_parser("checkpoint", help="look into a checkpoint written by mcore_compat.save_checkpoint",
+                       description="Checkpoints written by mcore_compat.save_checkpoint. 'inspect PATH' prints the "
+                                   "format, the releases that wrote it, the parallel layout, each tensor's name, "
+                                   "shape and dtype, the optimizer's records, and which releases can load which "
+                                   "part; exit 1 (one line) if PATH is not a complete checkpoint.")
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    insp = actions.add_parser("inspect", help="what is inside a checkpoint")
+    insp.add_argument("path", metavar="PATH", help="the checkpoint directory")
+    insp.add_argument("--json", action="store_true", help="print the report as JSON")
+    insp.set_defaults(func=run_inspect)
+    p.set_defaults(func=lambda args: p.error("say what to do: 'checkpoint inspect PATH'"))
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """Print the report of ``args.path``; 1 with one line on stderr when it cannot be read."""
+    from ..checkpoint import CheckpointError, inspect_checkpoint
+    from ..checkpoint.inspect import render
+
+    try:
+        info = inspect_checkpoint(args.path)
+    except CheckpointError as exc:
+        print(f"mcore-compat checkpoint inspect: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(info, indent=1) if args.json else render(info))
+    return 0

@@ -1,0 +1,76 @@
+"""The checkpoint format without Megatron: a plain module saved and loaded in one process (no torch.distributed),
+the manifest, the refusals, and ``mcore-compat checkpoint inspect`` (text, --json, one-line errors)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import mcore_compat as mc
+from mcore_compat.checkpoint import manifest as man
+from mcore_compat.cli import main
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+
+
+def _saved(tmp_path: Path) -> Path:
+    path = tmp_path / "ckpt"
+    mc.save_checkpoint(path, _model(0), extra={"seen": 3, "note": "x", "t": torch.arange(3)}, iteration=7)
+    return path
+
+
+def test_round_trip_and_manifest(tmp_path: Path) -> None:
+    path = _saved(tmp_path)
+    other = _model(1)
+    loaded = mc.load_checkpoint(path, other)
+    assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), _model(0).state_dict().values(), strict=True))
+    assert loaded.iteration == 7 and loaded.extra["seen"] == 3 and torch.equal(loaded.extra["t"], torch.arange(3))
+    data = json.loads((path / man.MANIFEST).read_text())
+    assert data["format"] == "mcore_compat.torch" and data["layout"] == {"world": 1, "tp": 1, "pp": 1, "dp": 1,
+                                                                        "ep": 1, "vpp": 1}
+    assert not (path / man.MARKER).exists() and [f["name"] for f in data["files"]] == ["rank_00000.pt"]
+
+
+def test_extra_must_be_plain(tmp_path: Path) -> None:
+    with pytest.raises(mc.CheckpointError, match=r"extra\['bad'\] is a object"):
+        mc.save_checkpoint(tmp_path / "c", _model(0), extra={"bad": object()})
+
+
+@pytest.mark.parametrize("damage, error", [
+    ("marker", "CheckpointInProgressError"), ("truncate", "CheckpointFormatError"),
+    ("no_manifest", "CheckpointFormatError"), ("shapes", "CheckpointMismatchError"),
+])
+def test_refusals_leave_the_model_alone(tmp_path: Path, damage: str, error: str) -> None:
+    path = _saved(tmp_path)
+    target = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2)) if damage == "shapes" else _model(1)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    if damage == "marker":
+        (path / man.MARKER).write_text("{}")
+    elif damage == "truncate":
+        f = path / man.shard_name(0)
+        f.write_bytes(f.read_bytes()[:100])
+    elif damage == "no_manifest":
+        (path / man.MANIFEST).unlink()
+    with pytest.raises(mc.CheckpointError) as info:
+        mc.load_checkpoint(path, target)
+    assert type(info.value).__name__ == error and "\n" not in str(info.value)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+
+
+def test_inspect_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _saved(tmp_path)
+    assert main(["checkpoint", "inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "mcore_compat.torch v1" in text and "0.weight" in text and "float32 (3, 4)" in text and "loadable" in text
+    assert main(["checkpoint", "inspect", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["model"][0]["1.bias"] == {"shape": [2], "dtype": "float32"} and info["iteration"] == 7
+    assert main(["checkpoint", "inspect", str(tmp_path / "nope")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a directory" in err
