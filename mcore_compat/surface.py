@@ -29,10 +29,14 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from packaging.version import Version
 
 from ._ranges import in_range
+
+if TYPE_CHECKING:  # pragma: no cover
+    from . import _surface_read
 
 __all__ = [
     "KEY_MODULES",
@@ -272,6 +276,15 @@ KEY_MODULES: tuple[str, ...] = (
 )
 
 
+@cache
+def _tree(root: str) -> _surface_read.ReleaseSurface:
+    """The static read of the release under ``root`` (files parsed on first use, kept for the next call)."""
+    from ._surface_read import Release as _Files
+    from ._surface_read import ReleaseSurface
+
+    return ReleaseSurface(_Files.from_tree(Path(root)))
+
+
 def drift(root: str | Path, release: str | Version, sample: int | None = 8) -> list[str]:
     """Where the data disagrees with the files of ``release`` under ``root`` (the folder holding ``megatron/``),
     read statically (:mod:`mcore_compat._surface_read`): the set of public modules, and the names of
@@ -279,11 +292,8 @@ def drift(root: str | Path, release: str | Version, sample: int | None = 8) -> l
     they agree."""
     import random
 
-    from ._surface_read import Release as _Files
-    from ._surface_read import ReleaseSurface
-
     version = _v(release)
-    read = ReleaseSurface(_Files.from_tree(Path(root)))
+    read = _tree(str(Path(root).resolve()))
     said, found = set(modules(version)), set(read.modules)
     fix = "regenerate mcore_compat/_surface_data.py with scripts/gen_surface.py"
     problems = [f"module {m}: in the files of megatron-core {version}, not in the data ({fix})"
