@@ -30,6 +30,10 @@ _PROTOCOL_RAISES: dict[tuple[str, str, str], str] = {
     ("mcore_compat", "__getattr__", "AttributeError"):
         "a module's __getattr__ (PEP 562) says 'no such attribute' with AttributeError; hasattr() and "
         "from-imports rely on it",
+    ("mcore_compat.capabilities", "__getattr__", "AttributeError"):
+        "the module __getattr__ that answers the deprecated name Capability says 'no such attribute' for others",
+    ("mcore_compat.layout.version", "__getattr__", "AttributeError"):
+        "the module __getattr__ that answers the deprecated name MIN_VERSION says 'no such attribute' for others",
     ("mcore_compat._mirror", "MirrorModule.__getattr__", "AttributeError"):
         "a mirror module answers dunder lookups (``__path__``, ``__file__``, ...) like any module: AttributeError, "
         "so the import system, copy and hasattr() work; a missing Megatron name raises NameUnavailableError",
