@@ -12,12 +12,13 @@ plans the same transfer:
    slice sent); for each bucket each source rank sends, per flat buffer, the one contiguous slice that holds its
    pieces (one collective per flat buffer slice: a ``broadcast`` over the group, or ``send``/``recv`` to
    ``dst``);
-3. the receiver copies each piece into its places of the full tensor (:func:`~.placement.place_shard`:
-   TP concatenation along ``partition_dim``, stride-interleaved), then frees the slice.
+3. the receiver puts every element in its place with one ``index_select`` per bucket (the index, planned once
+   with :func:`~.placement.place_shard` on element positions, is the TP concatenation along
+   ``partition_dim``, stride-interleaved), then frees the received slices.
 
-Peak memory beyond the output: one slice (at most ``bucket_bytes``, or one parameter's shard when that is
-larger). Inconsistent manifests (a tensor's TP shards disagreeing on dim, stride or size; an expert claimed by
-two EP ranks; a missing shard) are refused before anything moves.
+Peak memory beyond the output: one bucket of received slices (at most ``bucket_bytes``, or one tensor's shards
+when they are larger). Inconsistent manifests (a tensor's TP shards disagreeing on dim, stride or size; an expert claimed by
+two EP ranks; one name on two pipeline stages; a missing shard) are refused before anything moves.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .errors import BindingError
 from .manifest import Manifest, ManifestEntry
 from .param_binding import ParamBinding
 from .placement import place_shard
-from .views import dtype_from_name, numel
+from .views import contiguous_strides, dtype_from_name, numel
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "gather_full", "iter_full"]
 
@@ -104,6 +105,11 @@ def plan(manifests: list[Manifest]) -> list[_Full]:
             elif e.expert is not None and held[1].ep_rank != e.ep_rank:
                 raise BindingError(f"{e.full_name}: expert {e.expert} is claimed by EP ranks {held[1].ep_rank} "
                                    f"and {e.ep_rank}")
+            elif (held[1].pp_rank, held[1].vp_stage) != (e.pp_rank, e.vp_stage):
+                raise BindingError(f"{e.full_name}: held by pipeline stage {held[1].pp_rank} (virtual "
+                                   f"{held[1].vp_stage}) and {e.pp_rank} (virtual {e.vp_stage}): the modules of "
+                                   f"different stages have the same names (no global layer_number to tell them "
+                                   f"apart)")
     for full in out.values():
         want = set(range(full.first.tp_size)) if full.first.tp_split else {0}
         if set(full.pieces) != want:
@@ -112,24 +118,24 @@ def plan(manifests: list[Manifest]) -> list[_Full]:
 
 
 def _buckets(fulls: list[_Full], bucket_bytes: int) -> Iterator[list[_Full]]:
-    """Consecutive tensors whose output and every sent slice stay within ``bucket_bytes`` (at least one each)."""
+    """Consecutive tensors of one dtype whose output bytes, and the bytes of the slices sent for them, each stay
+    within ``bucket_bytes`` (at least one tensor per bucket)."""
     bucket: list[_Full] = []
-    spans: dict[tuple[int, int], tuple[int, int, int]] = {}
+    spans: dict[tuple[int, int], tuple[int, int]] = {}
     size = 0
 
-    def grown(full: _Full) -> dict[tuple[int, int], tuple[int, int, int]]:
+    def grown(full: _Full) -> dict[tuple[int, int], tuple[int, int]]:
         new = dict(spans)
         for rank, e in full.pieces.values():
-            lo, hi, _ = new.get((rank, e.buffer), (e.offset, e.offset + e.numel, 0))
-            new[(rank, e.buffer)] = (min(lo, e.offset), max(hi, e.offset + e.numel),
-                                     dtype_from_name(e.dtype).itemsize)
+            lo, hi = new.get((rank, e.buffer), (e.offset, e.offset + e.numel))
+            new[(rank, e.buffer)] = (min(lo, e.offset), max(hi, e.offset + e.numel))
         return new
 
     for full in fulls:
         new = grown(full)
-        too_big = size + full.nbytes > bucket_bytes or any((hi - lo) * item > bucket_bytes
-                                                             for lo, hi, item in new.values())
-        if bucket and too_big:
+        item = dtype_from_name(full.first.dtype).itemsize
+        too_big = size + full.nbytes > bucket_bytes or sum(hi - lo for lo, hi in new.values()) * item > bucket_bytes
+        if bucket and (too_big or full.first.dtype != bucket[0].first.dtype):
             yield bucket
             bucket, spans, size = [], {}, 0
             new = grown(full)
@@ -139,6 +145,151 @@ def _buckets(fulls: list[_Full], bucket_bytes: int) -> Iterator[list[_Full]]:
         yield bucket
 
 
+@dataclass
+class _Source:
+    """One slice sent for a bucket: ``flat_buffers()[buffer][lo:hi]`` of group rank ``rank``, received at
+    ``at`` of the bucket's staging tensor."""
+
+    rank: int
+    buffer: int
+    lo: int
+    hi: int
+    at: int
+
+
+#: Tensors of at least this many elements are put in place by block copies; smaller ones by one index_select.
+_BLOCK_COPY_NUMEL: Final = 1 << 16
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """A large tensor's piece: staging ``[at:at + numel(shape)]`` viewed as ``shape`` goes to output ``out`` as TP
+    rank ``piece`` of ``tp`` (``dim`` < 0: the whole tensor)."""
+
+    out: int
+    full: tuple[int, ...]
+    at: int
+    shape: tuple[int, ...]
+    dim: int
+    stride: int
+    piece: int
+    tp: int
+
+
+@dataclass
+class _Bucket:
+    """One bucket's transfer, planned once: the slices to move, then the TP concatenation as one ``index_select``
+    (``index``: for each element of the small tensors, packed first in the output, its place in the staging
+    tensor) and block copies for the large tensors (``copies``)."""
+
+    dtype: torch.dtype
+    sources: list[_Source]
+    staging: int
+    total: int
+    index: torch.Tensor
+    copies: list[_Copy]
+    outputs: list[tuple[str, int, tuple[int, ...], tuple[int, ...]]]  # name, offset, shape, strides
+    on_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+    def index_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self.on_device:
+            self.on_device[device] = self.index.to(device)
+        return self.on_device[device]
+
+
+def _plan_bucket(bucket: list[_Full]) -> _Bucket:
+    spans: dict[tuple[int, int], list[int]] = {}
+    for f in bucket:
+        for rank, e in f.pieces.values():
+            span = spans.setdefault((rank, e.buffer), [e.offset, e.offset + e.numel])
+            span[0], span[1] = min(span[0], e.offset), max(span[1], e.offset + e.numel)
+    sources, at = [], 0
+    for (rank, buffer), (lo, hi) in sorted(spans.items()):
+        sources.append(_Source(rank, buffer, lo, hi, at))
+        at += hi - lo
+    base = {(s.rank, s.buffer): s.at - s.lo for s in sources}
+    small = [f for f in bucket if numel(f.shape) < _BLOCK_COPY_NUMEL]
+    n_small = sum(numel(f.shape) for f in small)
+    index = torch.empty(n_small, dtype=torch.long)
+    where: dict[str, int] = {}
+    o = 0
+    for f in small:
+        n = numel(f.shape)
+        target = index[o:o + n].view(f.shape)
+        for piece, (rank, e) in f.pieces.items():
+            start = base[(rank, e.buffer)] + e.offset
+            positions = torch.arange(start, start + e.numel, dtype=torch.long).view(e.shape)
+            if e.tp_split:
+                place_shard(target, positions, e.partition_dim, e.partition_stride, piece, e.tp_size)
+            else:
+                target.copy_(positions)
+        where[f.name] = o
+        o += n
+    copies = []
+    for f in bucket:
+        if f.name in where:
+            continue
+        where[f.name] = o
+        for piece, (rank, e) in f.pieces.items():
+            copies.append(_Copy(o, f.shape, base[(rank, e.buffer)] + e.offset, e.shape,
+                                e.partition_dim if e.tp_split else -1, e.partition_stride, piece, e.tp_size))
+        o += numel(f.shape)
+    outputs = [(f.name, where[f.name], f.shape, contiguous_strides(f.shape)) for f in bucket]
+    return _Bucket(dtype_from_name(bucket[0].first.dtype), sources, at, o, index, copies, outputs)
+
+
+def _staging(binding: ParamBinding, b: _Bucket, device: torch.device, reuse: bool) -> torch.Tensor:
+    """A receive tensor for bucket ``b``: fresh, or (``reuse``) one per dtype and device kept on the binding
+    (grown when needed), so repeated gathers neither allocate nor fault in fresh pages."""
+    if not reuse:
+        return torch.empty(b.staging, dtype=b.dtype, device=device)
+    key = (b.dtype, device)
+    held = binding._full_staging.get(key)
+    if held is None or held.numel() < b.staging:
+        binding._full_staging.pop(key, None)
+        held = torch.empty(b.staging, dtype=b.dtype, device=device)
+        binding._full_staging[key] = held
+    return held[:b.staging]
+
+
+def _assemble(b: _Bucket, staging: torch.Tensor) -> torch.Tensor:
+    """The bucket's output: the small tensors by one ``index_select``, the large ones by block copies."""
+    out = torch.empty(b.total, dtype=b.dtype, device=staging.device)
+    n_small = b.index.numel()
+    if n_small:
+        torch.index_select(staging, 0, b.index_on(staging.device), out=out[:n_small])
+    for c in b.copies:
+        shard = staging[c.at:c.at + numel(c.shape)].view(c.shape)
+        full = out[c.out:c.out + numel(c.full)].view(c.full)
+        if c.dim < 0:
+            full.copy_(shard)
+        else:
+            place_shard(full, shard, c.dim, c.stride, c.piece, c.tp)
+    return out
+
+
+def _planned(binding: ParamBinding, group: Any, bucket_bytes: int) -> list[_Bucket]:
+    """The buckets of ``binding`` over ``group`` (collective the first time; cached on the binding with the
+    manifests they were planned from)."""
+    import torch.distributed as dist
+
+    manifests = binding._manifests_over(group)
+    key = (tuple(dist.get_process_group_ranks(group)), bucket_bytes)
+    cached = binding._full_plans.get(key)
+    if cached is not None and cached[0] is manifests:
+        return cached[1]
+    unbound: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(unbound, list(binding.unbound), group=group)
+    missing = sorted({n for names in unbound for n in names})
+    if missing:
+        raise BindingError(f"{len(missing)} parameter(s) are not bound (frozen, left out by dtype=, or expert params "
+                           f"in no DDP buffer on 0.4/0.5), so gather_full would leave them out: "
+                           f"{', '.join(missing[:5])}")
+    buckets = [_plan_bucket(b) for b in _buckets(plan(manifests), bucket_bytes)]
+    binding._full_plans[key] = (manifests, buckets)
+    return buckets
+
+
 def _default_group() -> Any:
     import torch.distributed as dist
 
@@ -146,20 +297,24 @@ def _default_group() -> Any:
 
 
 def iter_full(binding: ParamBinding, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dst: int | None = None,
-              group: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+              group: Any = None, reuse_buffers: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(single-rank name, full tensor)`` bucket by bucket; every member of ``group`` must exhaust it.
 
     Collective: each bucket is a round of collectives that every member of ``group`` takes part in, so every rank
-    iterates to the end (ranks other than ``dst`` yield nothing). Each yielded tensor is new (not a view of a
-    buffer) and complete; keeping only what an engine has not loaded yet bounds the memory to one bucket of
-    output plus one slice in flight.
+    iterates to the end (ranks other than ``dst`` yield nothing). The tensors of one bucket are views of one new
+    tensor (never of the flat buffers); dropping a bucket's tensors once an engine has loaded them bounds the
+    memory to one bucket of output plus one bucket of received slices. The first call plans the transfer (one
+    ``all_gather_object`` of the manifests and of the unbound names) and caches it on the binding.
 
     Args:
         binding: this rank's binding (:func:`~mcore_compat.binding.bind_params`) after any training steps.
-        bucket_bytes: bound on the bytes of full tensors per bucket and of each slice sent; a tensor whose own
-            size (or one of whose shards) is larger travels alone.
+        bucket_bytes: bound on the bytes of full tensors per bucket and of the slices received for it; a tensor
+            larger than that travels alone.
         dst: group rank that receives (the others only send); ``None``: every member receives.
         group: the ranks holding the model, every one of its TP x PP x EP (and DP) ranks (default: the world).
+        reuse_buffers: receive into one tensor per dtype and device kept on the binding (at most one bucket;
+            dropped by :meth:`~ParamBinding.unbind`) instead of a fresh one per bucket: faster when called
+            repeatedly, at the cost of keeping that memory between calls.
 
     Yields:
         ``(name, tensor)`` in the order of the first rank's parameters (then those it lacks, rank by rank), under
@@ -182,14 +337,7 @@ def iter_full(binding: ParamBinding, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     size, me = dist.get_world_size(group), dist.get_rank(group)
     if dst is not None and not 0 <= dst < size:
         raise BindingError(f"dst={dst} is not a rank of the group (size {size})")
-    unbound: list[Any] = [None] * size
-    dist.all_gather_object(unbound, list(binding.unbound), group=group)
-    missing = sorted({n for names in unbound for n in names})
-    if missing:
-        raise BindingError(f"{len(missing)} parameter(s) are not bound (frozen, left out by dtype=, or expert params "
-                           f"in no DDP buffer on 0.4/0.5), so gather_full would leave them out: "
-                           f"{', '.join(missing[:5])}")
-    fulls = plan(binding._manifests_over(group))
+    buckets = _planned(binding, group, bucket_bytes)
     if own:
         device = own[0].device
     elif dist.get_backend(group) == "nccl":
@@ -198,44 +346,32 @@ def iter_full(binding: ParamBinding, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
         device = torch.device("cpu")
     ranks = dist.get_process_group_ranks(group)
     receive = dst is None or dst == me
-    for bucket in _buckets(fulls, bucket_bytes):
-        outputs = {f.name: torch.empty(f.shape, dtype=dtype_from_name(f.first.dtype), device=device)
-                   for f in bucket} if receive else {}
-        by_source: dict[tuple[int, int], list[tuple[_Full, int, ManifestEntry]]] = {}
-        for f in bucket:
-            for piece, (rank, e) in f.pieces.items():
-                by_source.setdefault((rank, e.buffer), []).append((f, piece, e))
-        for (rank, buffer), pieces in sorted(by_source.items(), key=lambda kv: kv[0]):
-            lo = min(e.offset for _, _, e in pieces)
-            hi = max(e.offset + e.numel for _, _, e in pieces)
-            if rank == me:
-                data = own[buffer][lo:hi]
-            elif receive:
-                data = torch.empty(hi - lo, dtype=dtype_from_name(pieces[0][2].dtype), device=device)
-            else:
-                data = None
+    for b in buckets:
+        staging = _staging(binding, b, device, reuse_buffers) if receive else None
+        for src in b.sources:
+            mine = own[src.buffer][src.lo:src.hi] if src.rank == me else None
+            into = staging[src.at:src.at + src.hi - src.lo] if staging is not None else None
             if dst is None:
-                assert data is not None
-                dist.broadcast(data, src=ranks[rank], group=group)
-            elif rank != dst and data is not None:
-                if rank == me:
-                    dist.send(data, dst=ranks[dst], group=group)
-                else:
-                    dist.recv(data, src=ranks[rank], group=group)
-            if not receive or data is None:
-                continue
-            for f, piece, e in pieces:
-                shard = data[e.offset - lo:e.offset - lo + e.numel].view(e.shape)
-                if e.tp_split:
-                    place_shard(outputs[f.name], shard, e.partition_dim, e.partition_stride, piece, e.tp_size)
-                else:
-                    outputs[f.name].copy_(shard)
-            del data
-        yield from outputs.items()
+                moved = mine if mine is not None else into
+                assert moved is not None  # every member receives
+                dist.broadcast(moved, src=ranks[src.rank], group=group)
+            elif src.rank != dst:
+                if mine is not None:
+                    dist.send(mine, dst=ranks[dst], group=group)
+                elif into is not None:
+                    dist.recv(into, src=ranks[src.rank], group=group)
+            if mine is not None and into is not None:
+                into.copy_(mine)
+        if staging is None:
+            continue
+        out = _assemble(b, staging)  # fresh and contiguous: a view is one as_strided at the planned offset
+        for name, offset, shape, strides in b.outputs:
+            yield name, out.as_strided(shape, strides, offset)
+        del out, staging
 
 
 def gather_full(binding: ParamBinding, *, dst: int | None = None, group: Any = None,
-                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, torch.Tensor]:
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES, reuse_buffers: bool = False) -> dict[str, torch.Tensor]:
     """Every full, unsharded tensor of the model under the unwrapped single-rank model's names.
 
     Collective over ``group`` (default: the world; all of the model's TP x PP x EP and DP ranks). Moves flat
@@ -247,8 +383,9 @@ def gather_full(binding: ParamBinding, *, dst: int | None = None, group: Any = N
         dst: group rank that receives; ``None``: every rank receives.
         group: the process group holding the model (default: the world).
         bucket_bytes: bound on the staging memory (and on the bytes per collective).
+        reuse_buffers: keep the receive tensor on the binding for the next call (see :func:`iter_full`).
 
     Returns:
-        ``{name: full tensor}`` on receiving ranks, ``{}`` on the others.
+        ``{name: full tensor}`` on receiving ranks, ``{}`` on the others (views of one tensor per bucket).
     """
-    return dict(iter_full(binding, bucket_bytes=bucket_bytes, dst=dst, group=group))
+    return dict(iter_full(binding, bucket_bytes=bucket_bytes, dst=dst, group=group, reuse_buffers=reuse_buffers))

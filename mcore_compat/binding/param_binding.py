@@ -60,6 +60,10 @@ class ParamBinding:
         #: gather_pipeline_flat(reuse_buffers=True): receive buffers by (group ranks, stage).
         self._receive_buffers: dict[tuple[tuple[int, ...], int], list[torch.Tensor]] = {}
         self._by_place = {(s.buffer, s.offset): s.name for s in slots}
+        #: gather_full's transfer plans by (group ranks, bucket bytes): (the manifests they came from, buckets).
+        self._full_plans: dict[tuple[tuple[int, ...], int], tuple[list[Manifest], list[Any]]] = {}
+        #: gather_full's receive tensors by (dtype, device), one bucket each, reused across calls.
+        self._full_staging: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     # ------------------------------------------------------------------------------------------------- facts
     @property
@@ -200,6 +204,8 @@ class ParamBinding:
         self._flats = []
         self._stage_manifests.clear()
         self._receive_buffers.clear()
+        self._full_plans.clear()
+        self._full_staging.clear()
 
     def __enter__(self) -> ParamBinding:
         return self

@@ -10,7 +10,8 @@ chunk, what is needed to put it back:
   ``MoELayer`` 0.5+, for ``SequentialMLP``'s ``local_experts``; ``TEGroupedMLP``'s ``weight<i>``/``bias<i>``
   shifted by the EP rank's first expert);
 * tensor parallelism: ``tensor_model_parallel``, ``partition_dim`` and ``partition_stride``
-  (tensor_parallel/layers.py ``set_tensor_model_parallel_attributes``, every release); a gated MLP's
+  (tensor_parallel/layers.py ``set_tensor_model_parallel_attributes``, every release; a layer built with
+  ``perform_initialization=False`` leaves its weight unmarked, and its ``*_per_partition`` size tells); a gated MLP's
   ``linear_fc1`` (``config.gated_linear_unit``) holds ``[gate shard; up shard]`` per TP rank, i.e. stride 2,
   although releases before 0.16 give it ``partition_stride=1`` (transformer/mlp.py sets ``fc1_stride = 2``
   from 0.16);
@@ -117,6 +118,32 @@ def _gated_fc1(core: Any) -> set[int]:
     return out
 
 
+#: (full size, per-partition size, partition dim) attributes of Megatron's tensor-parallel layers
+#: (tensor_parallel/layers.py, every release: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding).
+_PARTITIONED_LAYERS = (("output_size", "output_size_per_partition", 0), ("input_size", "input_size_per_partition", 1),
+                       ("num_embeddings", "num_embeddings_per_partition", 0))
+
+
+def _unmarked_shards(core: Any) -> dict[int, int]:
+    """``{id(weight): partition dim}`` of tensor-parallel layers whose weight lacks ``tensor_model_parallel``.
+
+    Megatron sets the attribute inside its weight initialisation, which ``config.perform_initialization=False``
+    skips (tensor_parallel/layers.py, every release; the bias is marked either way): such a weight is still a
+    shard, as the layer's ``*_per_partition`` size says.
+    """
+    out: dict[int, int] = {}
+    for m in core.modules():
+        w = m._parameters.get("weight")
+        if w is None or getattr(w, "tensor_model_parallel", False):
+            continue
+        for full, part, dim in _PARTITIONED_LAYERS:
+            size = getattr(m, part, None)
+            if isinstance(size, int) and getattr(m, full, size) != size:
+                out[id(w)] = dim
+                break
+    return out
+
+
 def placements(core: Any) -> dict[str, Placement]:
     """``{name in core.named_parameters(): Placement}`` for one unwrapped model chunk (see the module docstring).
 
@@ -128,6 +155,7 @@ def placements(core: Any) -> dict[str, Placement]:
     output = getattr(getattr(core, "output_layer", None), "weight", None)
     experts = _expert_offsets(core)
     gated = _gated_fc1(core)
+    unmarked = _unmarked_shards(core)
     out: dict[str, Placement] = {}
     for name, p in core.named_parameters():
         parts = name.split(".")
@@ -148,6 +176,8 @@ def placements(core: Any) -> dict[str, Placement]:
         if expert is None and getattr(p, "allreduce", True) is False:
             expert = -1  # expert-parallel (allreduce=False, tensor_parallel/layers.py) but no single expert
         split, dim, stride = tp_attrs(p)
+        if not split and id(p) in unmarked:
+            split, dim, stride = True, unmarked[id(p)], 1
         if split and stride == 1 and id(p) in gated:
             stride = 2
         full = ".".join(parts)

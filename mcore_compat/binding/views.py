@@ -8,7 +8,7 @@ import torch
 
 from .errors import BindingError
 
-__all__ = ["dtype_from_name", "dtype_name", "flat_view", "numel", "slice_view"]
+__all__ = ["contiguous_strides", "dtype_from_name", "dtype_name", "flat_view", "numel", "slice_view"]
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -35,6 +35,11 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * max(shape[i + 1], 1)
     return tuple(strides)
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` (cached), as ``torch.empty(shape).stride()`` gives them."""
+    return _contiguous_strides(shape)
 
 
 def flat_view(flat: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
