@@ -16,19 +16,22 @@ it equals the old probe re-run against the installed tree.
 The other public names removed since then (:data:`DEPRECATED_NAMES`) are answered by their own modules, and
 ``scripts/gen_api.py --check`` (lint) accepts a removed name or parameter only when it is declared here.
 
-This module is a leaf: it imports nothing of mcore-compat, so :mod:`mcore_compat.capabilities` reads it at top
+This module is a leaf (it imports only :mod:`mcore_compat.errors`, a leaf), so :mod:`mcore_compat.capabilities` reads it at top
 level.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["DEPRECATED_FLAGS", "DEPRECATED_NAMES", "DEPRECATED_PARAMS", "DeprecatedFlag", "warn_deprecated",
-           "warn_deprecated_name"]
+from .errors import InvalidArgumentError
+
+__all__ = ["DEPRECATED_FLAGS", "DEPRECATED_NAMES", "DEPRECATED_PARAMS", "DeprecatedFlag", "renamed_params",
+           "warn_deprecated", "warn_deprecated_name"]
 
 #: When the capability names were removed (the fact table of 2026-12-01) and answered again.
 _REMOVED = "2026-12-01"
@@ -139,7 +142,9 @@ DEPRECATED_NAMES: dict[str, str] = {
                                                        "(mcore_compat.selfcheck.configured)",
 }
 
-#: Parameters removed or renamed since then and accepted again: ``{"function(param)": what to pass instead}``.
+#: Parameters removed or renamed since then and accepted again: ``{"module.function(param)": what to pass
+#: instead}``; where that is the new parameter's name, decorating the function with :func:`renamed_params`
+#: accepts the old keyword.
 DEPRECATED_PARAMS: dict[str, str] = {}
 
 _WARNED: set[str] = set()
@@ -156,3 +161,32 @@ def warn_deprecated(key: str, message: str, stacklevel: int = 3) -> None:
         return
     _WARNED.add(key)
     warnings.warn(message, DeprecationWarning, stacklevel=stacklevel)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def renamed_params(fn: F) -> F:
+    """Accept the old keywords :data:`DEPRECATED_PARAMS` lists for ``fn`` (``"module.qualname(old)": "new"``),
+    passed on as the new ones, each warning once.
+
+    Raises:
+        InvalidArgumentError: (at call time) both the old and the new keyword are given.
+    """
+    path = f"{fn.__module__}.{fn.__qualname__}"
+    renames = {key[len(path) + 1:-1]: new for key, new in DEPRECATED_PARAMS.items()
+               if key.startswith(f"{path}(") and new.isidentifier()}
+    if not renames:
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        for old, new in renames.items():
+            if old in kwargs:
+                if new in kwargs:
+                    raise InvalidArgumentError(f"{path}: pass {new!r} only ({old!r} is its deprecated name)")
+                warn_deprecated(f"{path}({old})", f"{path}: the parameter {old!r} is deprecated; pass {new!r}")
+                kwargs[new] = kwargs.pop(old)
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

@@ -181,6 +181,24 @@ def test_other_removed_names_answer_with_their_old_meaning() -> None:
             answers()  # once per process
 
 
+def test_a_renamed_parameter_is_accepted_under_its_old_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mcore_compat.errors import InvalidArgumentError
+
+    def scale(x: float, factor: float = 1.0) -> float:
+        return x * factor
+
+    monkeypatch.setitem(_deprecated.DEPRECATED_PARAMS, f"{__name__}.{scale.__qualname__}(mult)", "factor")
+    wrapped = _deprecated.renamed_params(scale)
+    assert _deprecated.renamed_params(_old_name) is _old_name  # nothing declared: the function itself
+    with pytest.warns(DeprecationWarning, match=r"'mult' is deprecated; pass 'factor'"):
+        assert wrapped(2.0, mult=3.0) == 6.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert wrapped(2.0, factor=4.0) == wrapped(2.0, mult=4.0) == 8.0  # once per process
+    with pytest.raises(InvalidArgumentError, match="pass 'factor' only"):
+        wrapped(2.0, mult=3.0, factor=3.0)
+
+
 @pytest.mark.mcore
 @pytest.mark.parametrize("name", NAMES)
 def test_alias_equals_old_probe_on_installed_release(name: str) -> None:
