@@ -19,6 +19,18 @@ CONFIGS: dict[int, dict[str, dict[str, Any]]] = {
     2: {"tp2": dict(tp=2), "pp2": dict(pp=2), "ep2": dict(experts=4, ep=2)},
     4: {"tp2-ep2": dict(tp=2, experts=4, ep=2), "pp2-vpp2": dict(pp=2, vpp=2), "tp2-pp2": dict(tp=2, pp=2)},
 }
+#: Before 0.8 virtual stages need pipeline size > 2: the world-4 virtual-stage case runs at PP=4 there.
+VPP_FALLBACK = {"pp2-vpp2": dict(pp=4, vpp=2)}
+
+
+def fields_of(world: int, name: str) -> dict[str, Any]:
+    """The layout ``name`` runs at on this release (PP=4 x VPP=2 where PP=2 x VPP=2 cannot run)."""
+    from mcore_compat.selfcheck import models
+
+    fields = CONFIGS[world][name]
+    if name in VPP_FALLBACK and models.unsupported_reason(_options(world, fields)) is not None:
+        return VPP_FALLBACK[name]
+    return fields
 
 
 def _options(world: int, fields: dict[str, Any]) -> Any:
@@ -34,7 +46,7 @@ def why_not(world: int, name: str) -> str | None:
     from mcore_compat.detect import detect
     from mcore_compat.selfcheck import models
 
-    opts = _options(world, CONFIGS[world][name])
+    opts = _options(world, fields_of(world, name))
     reason = models.unsupported_reason(opts)
     if reason is None and opts.experts and fact("ddp_buffer_attrs")[1] is None:
         reason = (f"expert params in DDP buffers: needs megatron-core >=0.6 (installed {detect().version}); before, "
@@ -56,6 +68,8 @@ def _train(opts: Any) -> tuple[list[Any], Any]:
     training.install_training_hooks(chunks, optimizer)
     binding = bind_params(chunks)
     ps = symbols.resolve("parallel_state")
+    if opts.vpp > 1 and models.MICROBATCHES % opts.pp:  # the interleaved schedule needs a multiple of PP
+        return chunks, binding  # PP=4 x VPP=2 before 0.8: the initial weights (different on every rank)
     batches = models.make_batches(opts, ps.get_data_parallel_rank())
     training.zero_grad_buffer(chunks, optimizer)
     training.forward_backward(models.forward_step(opts), models.data_iterators(batches, chunks), chunks,
@@ -168,7 +182,7 @@ def _case(world: int, name: str) -> dict[str, Any]:
     from mcore_compat.binding import Manifest
     from mcore_compat.selfcheck import models
 
-    opts = _options(world, CONFIGS[world][name])
+    opts = _options(world, fields_of(world, name))
     chunks, binding = _train(opts)
     binding.verify()
     manifest = binding.manifest()
@@ -186,7 +200,7 @@ def _case(world: int, name: str) -> dict[str, Any]:
         "experts": sorted({e.expert for e in manifest.params if e.expert is not None}),
         "expert_buffers": sorted({e.buffer for e in manifest.params if e.expert is not None}),
         "dense_buffers": sorted({e.buffer for e in manifest.params if e.expert is None}),
-        "split": sum(e.tp_split for e in manifest.params),
+        "split": sum(e.tp_split for e in manifest.params), "layout": opts.label(),
     }
     # a wrong stride (every rank alike, TP > 1): the pieces land in the wrong places
     target = next((e.full_name for e in manifest.params

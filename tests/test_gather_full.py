@@ -1,6 +1,7 @@
 """``gather_full`` / ``iter_full`` against the installed release: the self-check's GPT at TP=2, PP=2, EP=2 (world
 2, the session's ``rank_group``) and TP=2 x EP=2, PP=2 x VPP=2, TP=2 x PP=2 (world 4, a module-scoped group),
-trained one step, bound, gathered. The gathered weights must equal, exactly, full weights assembled by a plain
+trained one step, bound, gathered. Before 0.8 (virtual stages need PP > 2 there) the virtual-stage case runs at
+PP=4 x VPP=2, untrained (the interleaved schedule needs a multiple of PP micro-batches). The gathered weights must equal, exactly, full weights assembled by a plain
 per-tensor exchange written independently in tests/_gather_full_scenarios.py (an unsharded build from the same
 seed is no reference: Megatron's TP, PP and EP initialisation draws each shard from its own RNG state); a wrong
 partition stride or two swapped experts in the manifest must change the result, an expert claimed by two EP
