@@ -17,7 +17,7 @@ it as a second base, so code written against the standard one keeps working:
 
 The other modules define errors of their own on the same base: ``BindingError`` (:mod:`mcore_compat.binding`),
 ``LayoutError`` (:mod:`mcore_compat.layout`), ``MissingTrainingHookError`` (:mod:`mcore_compat.training`),
-``OffloadError`` (:mod:`mcore_compat.lifecycle`),
+``OffloadError`` (:mod:`mcore_compat.lifecycle`), ``CheckpointError`` and its subclasses (:mod:`mcore_compat.checkpoint`),
 ``RankFailure``/``RankTimeout`` (:mod:`mcore_compat.launch`), ``UsageError`` (:mod:`mcore_compat.selfcheck`),
 ``MatrixFileError``/``MatrixNotFoundError`` (:mod:`mcore_compat.support`).
 

@@ -155,6 +155,37 @@ def case_resume(name: str) -> dict[str, Any]:
     return result
 
 
+def case_fault_dropped_moment() -> dict[str, Any]:
+    """A loader that drops Adam's exp_avg (what AReaL/SkyRL saw on 0.16: moments silently missing after a load):
+    the comparison of ``case_resume`` must name the moments."""
+    import mcore_compat as mc
+    from mcore_compat.checkpoint import load
+
+    opts = _opts("dp2-plain-fp32")
+    path = _shared_dir("fault")
+    run = Run(opts)
+    run.step()
+    mc.save_checkpoint(path, run.chunks, run.optimizer)
+    at_save = run.state()
+    run.release()
+    fresh = Run(dataclasses.replace(opts, seed=opts.seed + 1))
+    real_apply = load._Plan.apply
+
+    def dropping(plan: Any) -> None:
+        for _, _, state in plan.states:
+            state.pop("exp_avg", None)
+        real_apply(plan)
+
+    load._Plan.apply = dropping  # type: ignore[method-assign]
+    try:
+        mc.load_checkpoint(path, fresh.chunks, fresh.optimizer)
+    finally:
+        load._Plan.apply = real_apply  # type: ignore[method-assign]
+    out = {"status": "ok", "after_load": _diff(fresh.state(), at_save)}
+    fresh.release()
+    return out
+
+
 def case_reshard() -> dict[str, Any]:
     """DP=2 distributed optimizer -> DP=2 plain and back: the loaded values equal the saved ones (per param);
     a TP=2 build refuses the DP=2 checkpoint before loading anything."""
@@ -186,7 +217,7 @@ def case_reshard() -> dict[str, Any]:
     return out
 
 
-def _full_state(run: Run) -> dict[str, Any]:
+def _full_state(run: Run, optimizer: bool = True) -> dict[str, Any]:
     """Weights, and per param the full main param and moments gathered over the data-parallel ranks."""
     import torch
     import torch.distributed as dist
@@ -198,6 +229,8 @@ def _full_state(run: Run) -> dict[str, Any]:
                            for k, v in unwrap(c).state_dict().items() if hasattr(v, "detach")}
     from mcore_compat.checkpoint.state import named_params
 
+    if not optimizer:
+        return out
     trainable = {n: p for p, n in named_params(run.chunks).items() if p.requires_grad}
     pieces = {f"{what}:{n}": torch.zeros(p.numel()) for n, p in sorted(trainable.items())
               for what in ("main", "exp_avg", "exp_avg_sq", "step")}
@@ -293,6 +326,7 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
     out: dict[str, Callable[[], dict[str, Any]]] = {}
     for name in CONFIGS:
         out[f"resume-{name}"] = (lambda n=name: case_resume(n))
+    out["fault-dropped-moment"] = case_fault_dropped_moment
     out["reshard"] = case_reshard
     out["bad-input"] = case_bad_input
     return out
@@ -330,3 +364,66 @@ def run_all(only: tuple[str, ...] = ()) -> dict[str, Any]:
     if dist.get_rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
     return {"version": version, "cases": results}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# across releases (scripts/checkpoint_matrix.py): saved on A, loaded on B
+# ----------------------------------------------------------------------------------------------------------------
+
+CROSS = "dp2-distopt-bf16"
+
+
+def cross_save(root: str) -> str:
+    """Train 2 steps of the DP=2 distributed-optimizer bf16 GPT, save to ``root/<release>`` and write the full
+    values (weights, per-param main params, both moments, step) next to it as the reference."""
+    import torch
+    import torch.distributed as dist
+
+    import mcore_compat as mc
+    from mcore_compat.detect import detect
+
+    apply_patches()
+    version = str(detect().version)
+    run = Run(_opts(CROSS, dropout=0.0))
+    run.step(), run.step()
+    mc.save_checkpoint(os.path.join(root, version), run.chunks, run.optimizer, iteration=2)
+    ref = _full_state(run)
+    if dist.get_rank() == 0:
+        torch.save(ref, os.path.join(root, f"{version}.reference.pt"))
+    dist.barrier()
+    run.release()
+    return version
+
+
+def cross_load(root: str, sources: list[str]) -> dict[str, Any]:
+    """Load each source release's checkpoint into a fresh build: ``full`` (model + optimizer) and ``weights``
+    (model only), each "exact", "differs: <names>" or "refused: <error>"."""
+    import torch
+
+    import mcore_compat as mc
+    from mcore_compat.detect import detect
+
+    apply_patches()
+    out: dict[str, Any] = {"version": str(detect().version), "from": {}}
+    for src in sources:
+        path = os.path.join(root, src)
+        ref = torch.load(os.path.join(root, f"{src}.reference.pt"), weights_only=True)
+        entry: dict[str, str] = {}
+        for part in ("full", "weights"):
+            run = Run(_opts(CROSS, dropout=0.0, seed=99))
+            try:
+                mc.load_checkpoint(path, run.chunks, run.optimizer if part == "full" else None)
+            except mc.CheckpointError as exc:
+                entry[part] = f"refused: {type(exc).__name__}: {exc}"
+            else:
+                got = _full_state(run, optimizer=part == "full")
+                keys = [k for k in ref if part == "full" or k.startswith("model:")]
+                diff = [k for k in keys if k not in got or not torch.equal(got[k], ref[k])]
+                if part == "full":
+                    diff += sorted(set(got) - set(ref))
+                entry[part] = "exact" if not diff else f"differs: {diff[:6]}"
+                if part == "full":  # the loaded optimizer trains on
+                    entry["step_after_load"] = "ok" if run.step() is not None else "ok (no loss on this rank)"
+            run.release()
+        out["from"][src] = entry
+    return out

@@ -40,6 +40,14 @@ def test_resume_is_exact(results: dict[str, Any], name: str) -> None:
 
 
 @pytest.mark.mcore
+def test_a_dropped_moment_is_caught(results: dict[str, Any]) -> None:
+    """The resume comparison can fail: a loader that drops exp_avg is named by it (every main param's exp_avg)."""
+    for r in _case(results, "fault-dropped-moment"):
+        assert r["after_load"] and all(k.startswith("state:") and k.endswith(".exp_avg") for k in r["after_load"]), \
+            r["after_load"]
+
+
+@pytest.mark.mcore
 def test_reshard_distributed_optimizer_on_off(results: dict[str, Any]) -> None:
     for r in _case(results, "reshard"):
         assert r["dp2-distopt-bf16->dp2-plain-fp32"] == [], r["dp2-distopt-bf16->dp2-plain-fp32"]

@@ -33,8 +33,6 @@ from .state import leaves, main_params, named_params, param_key, restore_rng
 
 __all__ = ["LoadedCheckpoint", "load_checkpoint"]
 
-_ERRORS: dict[str, type[CheckpointError]] = {c.__name__: c for c in (
-    CheckpointError, CheckpointFormatError, CheckpointInProgressError, CheckpointMismatchError, CheckpointReshardError)}
 _FIXED_DIMS = (("tp", "TP"), ("pp", "PP"), ("ep", "EP"), ("vpp", "VPP"))
 
 
@@ -257,6 +255,25 @@ def _plan(root: Path, chunks: list[Any], optimizer: Any, scheduler: Any, strict:
     return plan
 
 
+def _agree(report: tuple[str, str, int] | None) -> None:
+    """Every rank's outcome of planning; raise the first refusal of another rank (this rank's own failure is
+    re-raised by the caller)."""
+    refused = [r for r in _gather(report) if r is not None]
+    if report is not None or not refused:
+        return
+    name, message, rank = refused[0]
+    text = f"refused on rank {rank}: {message}"
+    if name == "CheckpointFormatError":
+        raise CheckpointFormatError(text)
+    if name == "CheckpointInProgressError":
+        raise CheckpointInProgressError(text)
+    if name == "CheckpointMismatchError":
+        raise CheckpointMismatchError(text)
+    if name == "CheckpointReshardError":
+        raise CheckpointReshardError(text)
+    raise CheckpointError(f"{text} ({name})")
+
+
 def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = None, *, scheduler: Any = None,
                     strict: bool = True) -> LoadedCheckpoint:
     """Load a checkpoint written by :func:`~.save.save_checkpoint` into the model chunks (and optimizer,
@@ -284,22 +301,17 @@ def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
     """
     chunk_list = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     where = coords(len(chunk_list))
-    plan: _Plan | None = None
-    failure: BaseException | None = None
     try:
         plan = _plan(Path(path), chunk_list, optimizer, scheduler, strict, where)
     except Exception as exc:
-        failure = exc
-    reports = _gather(None if failure is None else (type(failure).__name__, str(failure), where.rank))
-    refused = [r for r in reports if r is not None]
-    if refused:
-        if plan is not None:
-            for undo in plan.undo:
-                undo()
-        if failure is not None:
-            raise failure
-        name, message, rank = refused[0]
-        raise _ERRORS.get(name, CheckpointError)(f"refused on rank {rank}: {message}")
-    assert plan is not None and plan.result is not None
+        _agree((type(exc).__name__, str(exc), where.rank))
+        raise
+    try:
+        _agree(None)
+    except CheckpointError:
+        for undo in plan.undo:
+            undo()
+        raise
+    assert plan.result is not None
     plan.apply()
     return plan.result

@@ -1,0 +1,88 @@
+"""Checkpoints across releases: save on A, load on B (weights and optimizer), recorded in matrix/checkpoint_cross.json.
+
+    python scripts/checkpoint_matrix.py                       # every release of RELEASES (2 gloo ranks each)
+    python scripts/checkpoint_matrix.py --releases 0.8.0 0.19.2
+
+For each release A: train the DP=2 distributed-optimizer bf16 GPT of tests/_checkpoint_scenarios.py 2 steps, save
+it with mcore_compat.save_checkpoint and keep the full values as reference. For each B: load every A's checkpoint
+into a fresh build, once with the optimizer and once weights only, and compare the weights, every param's main
+param, both Adam moments and the step with A's reference ("exact", "differs: ...", or "refused: <error>"), then
+take a step. Each release runs in its own interpreter (.cache/base-py311, or py312 for 0.17+) with its tree
+.cache/mc/<V> on PYTHONPATH; about 20 s per release and pass on 2 idle cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RELEASES = ["0.4.0", "0.8.0", "0.12.3", "0.14.0", "0.16.1", "0.19.2"]
+OUT = ROOT / "matrix" / "checkpoint_cross.json"
+
+
+def _python(release: str) -> str:
+    minor = int(release.split(".")[1])
+    return str(ROOT / ".cache" / ("base-py312" if minor >= 17 else "base-py311") / "bin" / "python")
+
+
+def _run(release: str, *args: str) -> object:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / ".cache" / "mc" / release), str(ROOT),
+                                                        str(ROOT / "tests")]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([_python(release), "-P", __file__, "--worker", *args], env=env, capture_output=True,
+                          text=True, timeout=900, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"{release} {args[0]} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT="):])
+
+
+def _worker(argv: list[str]) -> None:
+    import functools
+
+    import _checkpoint_scenarios as S
+
+    from mcore_compat.launch import Group
+
+    what, root, *sources = argv
+    fn = functools.partial(S.cross_save, root) if what == "save" else functools.partial(S.cross_load, root, sources)
+    with Group(2, device="cpu", destroy_subgroups=True, warm=("mcore_compat._warm_cpu",)) as group:
+        results = group.run(fn, timeout=800)
+    print("RESULT=" + json.dumps(results))
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--releases", nargs="+", default=RELEASES)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="mcc-ckpt-cross-") as root:
+        saved = [_run(r, "save", root)[0] for r in args.releases]  # type: ignore[index]
+        table: dict[str, dict[str, object]] = {a: {} for a in saved}
+        for b in args.releases:
+            per_rank = _run(b, "load", root, *saved)
+            assert isinstance(per_rank, list)
+            for a in saved:
+                entries = [r["from"][a] for r in per_rank]
+                table[a][b] = entries[0] if all(e == entries[0] for e in entries) else {"per_rank": entries}
+    record = {"what": "saved on A (rows), loaded on B (columns): DP=2 distributed optimizer, bf16 GPT, 2 steps; "
+                      "'full' = model + optimizer, 'weights' = model only; exact = every weight, main param, Adam "
+                      "moment and step equal to A's values",
+              "format": "mcore_compat.torch v1", "recorded": datetime.date.today().isoformat(),
+              "releases": args.releases, "results": table}
+    OUT.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    for a in saved:
+        print(a, " ".join(f"{b}:{'ok' if v.get('full') == 'exact' else 'X'}"  # type: ignore[union-attr]
+                          for b, v in table[a].items()))
+
+
+if __name__ == "__main__":
+    main()
