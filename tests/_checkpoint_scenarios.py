@@ -189,6 +189,9 @@ def case_fault_dropped_moment() -> dict[str, Any]:
 def case_reshard() -> dict[str, Any]:
     """DP=2 distributed optimizer -> DP=2 plain and back: the loaded values equal the saved ones (per param);
     a TP=2 build refuses the DP=2 checkpoint before loading anything."""
+    import torch
+    import torch.distributed as dist
+
     import mcore_compat as mc
 
     out: dict[str, Any] = {"status": "ok"}
@@ -201,6 +204,9 @@ def case_reshard() -> dict[str, Any]:
         mc.save_checkpoint(path, run.chunks, run.optimizer)
         full = _full_state(run)
         run.release()
+        if _KEEP and src == "dp2-distopt-bf16" and dist.get_rank() == 0:  # for load_at_dp1 (1 rank)
+            shutil.copytree(path, os.path.join(_KEEP, "dp2"), dirs_exist_ok=True)
+            torch.save(full, os.path.join(_KEEP, "dp2.reference.pt"))
         other = Run(dataclasses.replace(dst_opts, seed=99))
         mc.load_checkpoint(path, other.chunks, other.optimizer)
         out[f"{src}->{dst}"] = _diff(_full_state(other), full)
@@ -335,9 +341,39 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
 CASE_NAMES = list(cases())
 
 
-def run_all(only: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Every case (or those named in ``only``) on this rank: ``{"version": str, "cases": {name: result}}``."""
+_KEEP: str | None = None  # where case_reshard leaves its DP=2 checkpoint for load_at_dp1
+
+
+def load_at_dp1(keep: str) -> dict[str, Any]:
+    """On ONE rank: the DP=2 distributed-optimizer checkpoint ``case_reshard`` left in ``keep``, loaded at DP=1 with
+    and without the distributed optimizer; the differences from the values at save (empty = exact)."""
+    import torch
+
+    import mcore_compat as mc
+
+    apply_patches()
+    ref = torch.load(os.path.join(keep, "dp2.reference.pt"), weights_only=True)
+    out: dict[str, Any] = {}
+    for distopt in (True, False):
+        run = Run(_opts("dp2-distopt-bf16", nproc=1, dp=1, dtype="fp32", dropout=0.0, seed=5,
+                        distributed_optimizer=distopt))
+        loaded = mc.load_checkpoint(os.path.join(keep, "dp2"), run.chunks, run.optimizer)
+        out[f"distopt={distopt}"] = {"diff": _diff(_full_state(run), ref), "rng_restored": loaded.rng_restored,
+                                     "trains": run.step() is not None}
+        run.release()
+    from mcore_compat.training._common import parallel_state
+
+    parallel_state().destroy_model_parallel()
+    return out
+
+
+def run_all(only: tuple[str, ...] = (), keep: str | None = None) -> dict[str, Any]:
+    """Every case (or those named in ``only``) on this rank: ``{"version": str, "cases": {name: result}}``.
+    ``keep``: a directory (every rank sees) where ``case_reshard`` leaves a DP=2 checkpoint for :func:`load_at_dp1`."""
     import torch.distributed as dist
+
+    global _KEEP
+    _KEEP = keep
 
     apply_patches()
     from mcore_compat.detect import detect

@@ -6,6 +6,8 @@ ONE module-scoped ``run_all`` on the session's 2 gloo ranks (tests/_checkpoint_s
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
 from typing import Any
 
 import _checkpoint_scenarios as SCENARIOS
@@ -16,8 +18,13 @@ RESUME = [n for n in SCENARIOS.CASE_NAMES if n.startswith("resume-")]
 
 
 @pytest.fixture(scope="module")
-def results(rank_group: Any) -> dict[str, Any]:
-    return run_scenarios(rank_group, SCENARIOS.run_all, timeout=600)
+def keep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("checkpoint-keep")
+
+
+@pytest.fixture(scope="module")
+def results(rank_group: Any, keep: Path) -> dict[str, Any]:
+    return run_scenarios(rank_group, functools.partial(SCENARIOS.run_all, keep=str(keep)), timeout=600)
 
 
 def _case(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
@@ -55,6 +62,21 @@ def test_reshard_distributed_optimizer_on_off(results: dict[str, Any]) -> None:
         assert r["tp_refusal"] and r["tp_refusal"].startswith("CheckpointReshardError") \
             and "TP 1 -> 2" in r["tp_refusal"] and "mcore_compat.torch" in r["tp_refusal"], r["tp_refusal"]
         assert r["tp_unchanged"] == [], r["tp_unchanged"]
+
+
+@pytest.mark.mcore
+def test_reshard_dp2_to_dp1(results: dict[str, Any], keep: Path) -> None:
+    """Saved at DP=2 with the distributed optimizer, loaded on one rank (DP=1) with and without it: every weight,
+    main param, moment and step as saved; the RNG states are not restored (another layout), and it trains on."""
+    from conftest import WARM_CPU
+
+    from mcore_compat.launch import Group
+
+    _case(results, "reshard")
+    with Group(1, device="cpu", destroy_subgroups=True, warm=WARM_CPU) as group:
+        (out,) = group.run(functools.partial(SCENARIOS.load_at_dp1, str(keep)), timeout=300)
+    for mode, r in out.items():
+        assert r["diff"] == [] and not r["rng_restored"] and r["trains"], (mode, r)
 
 
 BAD = {"truncated": "CheckpointFormatError", "corrupt": "CheckpointFormatError", "foreign": "CheckpointFormatError",
