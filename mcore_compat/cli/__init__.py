@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The parser and its subcommands' parsers by name."""
-    from . import checkpoint, doctor, selfcheck
+    from . import checkpoint, doctor, scan, selfcheck
 
     parser = _Parser(
         prog="mcore-compat",
@@ -39,6 +39,7 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
     doctor.add_parser(sub)
     selfcheck.add_parser(sub)
     checkpoint.add_parser(sub)
+    scan.add_parser(sub)
     return parser, dict(sub.choices)
 
 
