@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RELEASES = ["0.4.0", "0.8.0", "0.12.3", "0.14.0", "0.16.1", "0.19.2"]
@@ -32,7 +33,7 @@ def _python(release: str) -> str:
     return str(ROOT / ".cache" / ("base-py312" if minor >= 17 else "base-py311") / "bin" / "python")
 
 
-def _run(release: str, *args: str) -> object:
+def _run(release: str, *args: str) -> Any:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / ".cache" / "mc" / release), str(ROOT),
                                                         str(ROOT / "tests")]), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([_python(release), "-P", __file__, "--worker", *args], env=env, capture_output=True,
@@ -46,7 +47,7 @@ def _run(release: str, *args: str) -> object:
 def _worker(argv: list[str]) -> None:
     import functools
 
-    import _checkpoint_scenarios as S
+    import _checkpoint_scenarios as S  # type: ignore[import-not-found]  # tests/, on PYTHONPATH in the worker
 
     from mcore_compat.launch import Group
 
@@ -65,8 +66,8 @@ def main() -> None:
     parser.add_argument("--releases", nargs="+", default=RELEASES)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="mcc-ckpt-cross-") as root:
-        saved = [_run(r, "save", root)[0] for r in args.releases]  # type: ignore[index]
-        table: dict[str, dict[str, object]] = {a: {} for a in saved}
+        saved = [_run(r, "save", root)[0] for r in args.releases]
+        table: dict[str, dict[str, Any]] = {a: {} for a in saved}
         for b in args.releases:
             per_rank = _run(b, "load", root, *saved)
             assert isinstance(per_rank, list)
@@ -80,8 +81,7 @@ def main() -> None:
               "releases": args.releases, "results": table}
     OUT.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     for a in saved:
-        print(a, " ".join(f"{b}:{'ok' if v.get('full') == 'exact' else 'X'}"  # type: ignore[union-attr]
-                          for b, v in table[a].items()))
+        print(a, " ".join(f"{b}:{'ok' if v.get('full') == 'exact' else 'X'}" for b, v in table[a].items()))
 
 
 if __name__ == "__main__":
