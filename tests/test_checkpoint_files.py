@@ -74,3 +74,16 @@ def test_inspect_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert main(["checkpoint", "inspect", str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a directory" in err
+
+
+def test_support_table_shows_the_checkpoint_matrix() -> None:
+    """matrix/README.md's section from checkpoint_cross.json: rows in release order, a refusal named by its error."""
+    from mcore_compat.support.render import _checkpoint_section
+
+    cross = {"releases": ["0.4.0", "0.19.2"], "format": "f", "what": "w", "recorded": "d", "results": {
+        "0.19.2": {"0.4.0": {"full": "refused: CheckpointMismatchError: x", "weights": "exact"},
+                   "0.19.2": {"full": "exact", "weights": "exact"}},
+        "0.4.0": {"0.4.0": {"full": "exact", "weights": "exact"},
+                  "0.19.2": {"full": "differs: ['a']", "weights": "differs: ['a']"}}}}
+    rows = [ln for ln in _checkpoint_section(cross) if ln.startswith("| 0.")]
+    assert rows == ["| 0.4.0 | exact | differs |", "| 0.19.2 | weights exact; optimizer refused | exact |"]

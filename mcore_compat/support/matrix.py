@@ -30,6 +30,8 @@ __all__ = ["Matrix", "base_requirements", "record_result", "releases", "render_t
 
 _RESULT_VALUES = ("pass", "fail")
 _RESULTS_SCHEMA = 1
+#: Written by scripts/checkpoint_matrix.py.
+CHECKPOINT_CROSS_FILE = "checkpoint_cross.json"
 
 
 class Matrix:
@@ -103,6 +105,11 @@ class Matrix:
         data = json.loads(source.read_text(encoding="utf-8"))
         return {str(k): dict(v) for k, v in data.get("results", {}).items()}
 
+    def checkpoint_cross(self) -> dict[str, Any] | None:
+        """The recorded checkpoint matrix (``checkpoint_cross.json``: saved on A, loaded on B), or ``None``."""
+        source = self._data.joinpath(CHECKPOINT_CROSS_FILE)
+        return json.loads(source.read_text(encoding="utf-8")) if source.is_file() else None
+
     def status(self, version: str | Version) -> SupportStatus:
         """Where ``version`` stands: listed or not, its minor's releases, the nearest listed releases."""
         wanted = Version(str(version))
@@ -167,7 +174,8 @@ class Matrix:
 
     def render_table(self) -> str:
         """``matrix/README.md``: the support table and the base environments."""
-        return render(self.releases(), self.results(), {p: self.base_requirements(p) for p in self.pythons()})
+        return render(self.releases(), self.results(), {p: self.base_requirements(p) for p in self.pythons()},
+                      checkpoint_cross=self.checkpoint_cross())
 
     def write_readme(self) -> Path:
         """Write :meth:`render_table` to the source tree's ``matrix/README.md``; returns the path."""

@@ -131,14 +131,38 @@ patches that must precede Megatron's import); **self-check**: the CLI sweep as a
 """
 
 
+def _cross_cell(entry: Mapping[str, Any]) -> str:
+    full, weights = str(entry.get("full", "?")), str(entry.get("weights", "?"))
+    if full == "exact":
+        return "exact"
+    if weights == "exact":
+        return "weights exact; optimizer " + _cell(full.split(":")[0])
+    return _cell(weights.split(":")[0])
+
+
+def _checkpoint_section(cross: Mapping[str, Any]) -> list[str]:
+    """The "saved on A, loaded on B" table of ``checkpoint_cross.json``."""
+    results: Mapping[str, Mapping[str, Any]] = cross.get("results", {})
+    loaders = list(cross.get("releases", []))
+    lines = ["", "## Checkpoints across releases", "",
+             f"`mcore_compat.save_checkpoint` on the row's release, `load_checkpoint` on the column's "
+             f"({cross.get('format', '?')}; {cross.get('what', '')}). Recorded {cross.get('recorded', '?')} by "
+             "`scripts/checkpoint_matrix.py`.", "",
+             "| saved on \\ loaded on | " + " | ".join(loaders) + " |", "|---|" + "---|" * len(loaders)]
+    for saver in [r for r in loaders if r in results] + [r for r in results if r not in loaders]:
+        lines.append(f"| {saver} | " + " | ".join(_cross_cell(results[saver].get(b, {})) for b in loaders) + " |")
+    return lines
+
+
 def render(releases: Iterable[Release], recorded: Mapping[str, Mapping[str, Any]],
-           bases: Mapping[str, list[str]]) -> str:
+           bases: Mapping[str, list[str]], checkpoint_cross: Mapping[str, Any] | None = None) -> str:
     """The text of ``matrix/README.md``.
 
     Args:
         releases: the listed releases, oldest first.
         recorded: recorded results by release and kind (``{"0.16.1": {"cpu": {...}}}``).
         bases: the base environments' requirements by Python version.
+        checkpoint_cross: the recorded checkpoint matrix (``checkpoint_cross.json``), shown after the timings.
     """
     releases = list(releases)
     lines = [_HEADER, "| megatron-core | tags | Python | limits | install | CPU | faults caught | "
@@ -156,6 +180,8 @@ def render(releases: Iterable[Release], recorded: Mapping[str, Mapping[str, Any]
         lines += ["", _TIMING_HEADER,
                   "| megatron-core | total | prepare | pytest | collect | rank starts | subprocesses | self-check "
                   "| slowest test modules |", "|---|---|---|---|---|---|---|---|---|", *timing_rows]
+    if checkpoint_cross:
+        lines += _checkpoint_section(checkpoint_cross)
     lines += ["", "## Base environments", "",
               "Each Python has one shared environment; a release's limits must hold in its base "
               "(the noxfile checks this before running a session).", ""]
