@@ -214,7 +214,7 @@ def test_manifest_v2_placement_round_trips_and_plans_the_full_tensors() -> None:
         plan([m0, manifest(dataclasses.replace(entry(1), partition_stride=1))])
     with pytest.raises(BindingError, match=r"TP shards \[0\] held, \[0, 1\] needed"):
         plan([m0])
-    with pytest.raises(BindingError, match="held by pipeline stage 0 .* and 1"):  # same names on two stages
+    with pytest.raises(BindingError, match=r"held by pipeline stage 0 .* and 1"):  # same names on two stages
         plan([m0, manifest(entry(1)), manifest(dataclasses.replace(entry(0), pp_rank=1))])
     x = torch.arange(24.0).view(8, 3)
     shards = [shard(x, 0, 2, r, 2) for r in range(2)]
