@@ -39,6 +39,7 @@ from typing import Any
 
 from .._optimizer_view import MainParam, optimizer_view
 from .configured import Configured, from_optimizer
+from .fingerprint import fingerprint
 from .groups import Groups
 from .invariants import compare_replicas, global_grad_norm
 from .oracle import BOUND_TEXT, Rule, expected_step, rule_of
@@ -62,6 +63,15 @@ def named_trainable(chunks: Sequence[Any]) -> dict[Any, str]:
     return out
 
 
+#: binary exponents of ``bound / |value|`` the resolution histogram tells apart (float64 spans -1074..1024)
+_EXP_RANGE = 1100
+
+
+def _nonzero(counts: Any) -> list[int]:
+    """Indices of the nonzero entries of a 1-d CPU tensor."""
+    return [int(i) for i in counts.nonzero().reshape(-1).tolist()]
+
+
 @dataclass
 class _Tally:
     """One check's findings over the steps: the worst element and every failure (step, what)."""
@@ -75,17 +85,29 @@ class _Tally:
     #: elements by the power of two of their bound relative to the param's value (``bound / |p'|``): how small a
     #: deviation from the rule each element could show (:meth:`resolution`)
     resolution_bins: dict[int, int] = field(default_factory=dict)
+    _device_bins: Any = None
 
     def see_resolution(self, bound: Any, value: Any) -> None:
-        """Count the elements of one block by ``log2(bound / |value|)`` (elements whose value is 0 are left out)."""
+        """Count the elements of one block by ``ceil(log2(bound / |value|))`` (elements whose value is 0 are left
+        out): a histogram kept on the tensors' device (no sort, no host sync per block), read by
+        :meth:`resolution`."""
         import torch
 
         rel = bound / value.abs()
-        rel = rel[torch.isfinite(rel) & (rel > 0)]
-        if rel.numel():
-            exps, counts = torch.unique(torch.ceil(torch.log2(rel)).to(torch.int64), return_counts=True)
-            for e, c in zip(exps.tolist(), counts.tolist(), strict=True):
-                self.resolution_bins[e] = self.resolution_bins.get(e, 0) + c
+        ok = torch.isfinite(rel) & (rel > 0)
+        mantissa, exponent = torch.frexp(torch.where(ok, rel, 1.0))  # rel = mantissa * 2**exponent, 0.5 <= m < 1
+        e = (exponent.to(torch.int64) - (mantissa == 0.5).to(torch.int64)).clamp_(-_EXP_RANGE, _EXP_RANGE - 1)
+        e = torch.where(ok, e + _EXP_RANGE, 2 * _EXP_RANGE)  # the last bin: left out
+        counts = torch.bincount(e.reshape(-1), minlength=2 * _EXP_RANGE + 1)
+        self._device_bins = counts if self._device_bins is None else self._device_bins + counts
+
+    def _merge_device_bins(self) -> None:
+        if self._device_bins is not None:
+            counts = self._device_bins[:2 * _EXP_RANGE].cpu()
+            self._device_bins = None
+            for i in _nonzero(counts):
+                e = i - _EXP_RANGE
+                self.resolution_bins[e] = self.resolution_bins.get(e, 0) + int(counts[i])
 
     def see_relative(self, rel: float) -> None:
         """Count one element whose bound is ``rel`` of its value."""
@@ -95,6 +117,7 @@ class _Tally:
     def resolution(self, quantile: float) -> float | None:
         """The relative change per element (``|p'_seen - p'_rule| / |p'|``) below which the check could not have
         told a deviation from rounding, at ``quantile`` of the elements (to a factor of 2, from above)."""
+        self._merge_device_bins()
         total = sum(self.resolution_bins.values())
         if not total:
             return None
@@ -202,7 +225,8 @@ class StepVerifier:
         self.tally: dict[str, _Tally] = {k: _Tally() for k in (
             "grads", "norm", "update", "model", "changed", "continuity", "replicas", "loss")}
         self._pre: dict[int, _Pre] = {}
-        self._after: dict[int, tuple[Any, dict[str, Any], Any]] = {}
+        self._after: dict[int, tuple[Any, ...]] = {}
+        self._entry: dict[int, tuple[Any, ...]] = {}
         self._loss_scale = 1.0
         self.losses_seen: list[float] = []
         self.replica_groups: set[str] = set()
@@ -273,43 +297,60 @@ class StepVerifier:
         return self.rng.recording(forward_step_func)
 
     def before_step(self) -> None:
-        """Snapshot main params, state and param groups (and prove nothing changed them since the last step)."""
+        """Prove nothing changed main params, state or model params since the last step (fingerprints), keep the
+        param groups' hyper-parameters and fingerprint the main params and state (the values themselves are
+        snapshotted after the backward, once the reference has freed its memory)."""
         self._loss_scale = self.view.loss_scale() if not self.view.unsupported else 1.0
         if self.continuity and self._after:
             t = self.tally["continuity"]
             for mp in self.view:
-                main, state, model = self._after[id(mp)]
-                now_state = _state_of(mp)
-                same = main is None or _equal(main, mp.main)
-                same = same and _equal(model, mp.model_part(mp.model.detach()))
-                same = same and all(_equal(v, now_state.get(k)) for k, v in state.items())
-                t.see(0.0, "", mp.main.numel())
-                if not same:
+                if self._after[id(mp)] != self._prints(mp, model=True):
                     t.fail(f"step {self.step_index}: {mp.name} changed between steps")
+                t.see(0.0, "", mp.main.numel())
         self._pre = {}
+        self._entry = {}
         for mp in self.view:
-            self._pre[id(mp)] = _Pre(mp.main.detach().float().clone(), _clone_state(_state_of(mp)),
-                                     None if mp.group is None else {k: mp.group[k] for k in _HYPER_KEYS
-                                                                    if k in mp.group})
+            self._pre[id(mp)] = _Pre(None, {}, None if mp.group is None else {k: mp.group[k] for k in _HYPER_KEYS
+                                                                              if k in mp.group})
+            self._entry[id(mp)] = self._prints(mp)
         self.rng.start_step()
-        self.snapshot_bytes = sum(_nbytes(pre.p0) + sum(_nbytes(v) for v in pre.state0.values())
-                                  for pre in self._pre.values())
+
+    def _prints(self, mp: MainParam, model: bool = False) -> tuple[Any, ...]:
+        """Fingerprints of ``mp``'s main param and optimizer state (and, with ``model``, its model param)."""
+        state = {k: fingerprint(v) for k, v in _state_of(mp).items()}
+        main = None if model and mp.main is mp.model else fingerprint(mp.main)
+        return (main, state, fingerprint(mp.model_part(mp.model.detach())) if model else None)
 
     def after_backward(self, forward_step_func: Callable[..., Any] | None, batches: Sequence[Sequence[Any] | None],
                        num_microbatches: int, losses: Sequence[Any] = ()) -> None:
-        """After ``forward_backward``: snapshot the finalized gradients, check the forward's replicas, and
-        compare the gradients (and losses) with the reference (collective)."""
-        for mp in self.view:
-            g = mp.finalized_grad()
-            self._pre[id(mp)].grad = None if g is None else g.detach().clone()
-            self.snapshot_bytes += _nbytes(self._pre[id(mp)].grad)
+        """After ``forward_backward``: check the forward's replicas, compare the gradients (and losses) with the
+        reference (collective), then snapshot what the update check needs: the finalized gradients (proven
+        unchanged by the reference run), the main params and optimizer state (proven unchanged by the forward
+        and backward: equal fingerprints)."""
+        live = {id(mp): mp.finalized_grad() for mp in self.view}
+        grad_prints = {k: None if g is None else fingerprint(g) for k, g in live.items()}
         self._replicas(f"step {self.step_index}")
-        if self.reference is None or forward_step_func is None or self.unreplayable:
-            return
-        ref = self.reference.run(forward_step_func, batches, num_microbatches, loss_scale=self._loss_scale,
-                                 rng=self.rng)
-        self._compare_grads(ref)
-        self._compare_losses(ref, losses)
+        if self.reference is not None and forward_step_func is not None and not self.unreplayable:
+            ref = self.reference.run(forward_step_func, batches, num_microbatches, loss_scale=self._loss_scale,
+                                     rng=self.rng)
+            self._compare_grads(ref, live)
+            self._compare_losses(ref, losses)
+            del ref
+        del live
+        self.snapshot_bytes = 0
+        for mp in self.view:
+            pre = self._pre[id(mp)]
+            if self._prints(mp) != self._entry[id(mp)]:
+                self.tally["update"].fail(f"step {self.step_index}: {mp.name}: main param or optimizer state "
+                                          f"changed during forward_backward")
+            pre.p0 = mp.main.detach().float().clone()
+            pre.state0 = _clone_state(_state_of(mp))
+            g = mp.finalized_grad()
+            pre.grad = None if g is None else g.detach().clone()
+            if fingerprint(pre.grad) != grad_prints[id(mp)] and grad_prints[id(mp)] is not None:
+                self.tally["grads"].fail(f"step {self.step_index}: {mp.name}: the finalized gradient changed "
+                                         f"while the reference ran")
+            self.snapshot_bytes += _nbytes(pre.p0) + _nbytes(pre.grad) + sum(_nbytes(v) for v in pre.state0.values())
 
     def after_step(self, update_successful: bool, grad_norm: float | None) -> None:
         """After ``optimizer_step``: the rule, the model params, the first step's changes."""
@@ -318,10 +359,9 @@ class StepVerifier:
         self._check_model_params()
         if self.step_index == 0:
             self._check_changed()
+        self._pre = {}  # the snapshot is spent: free it before the next step
         if self.continuity:
-            self._after = {id(mp): (None if mp.main is mp.model else mp.main.detach().clone(),
-                                    _clone_state(_state_of(mp)), mp.model_part(mp.model.detach()).clone())
-                           for mp in self.view}
+            self._after = {id(mp): self._prints(mp, model=True) for mp in self.view}
         self.step_index += 1
 
     def final_replicas(self) -> None:
@@ -329,30 +369,49 @@ class StepVerifier:
         self._replicas(f"after step {self.step_index - 1}")
 
     # ------------------------------------------------------------------------------------------- pieces
-    def _compare_grads(self, ref: GradReference) -> None:
+    def _compare_grads(self, ref: GradReference, live: dict[int, Any]) -> None:
+        """Every finalized gradient element against the reference's within its bound, in blocks; each reference
+        gradient and bound is dropped as soon as the last main param that reads it is compared."""
         import torch
 
         t = self.tally["grads"]
+        readers: dict[int, int] = {}
         for mp in self.view:
-            got = self._pre[id(mp)].grad
+            readers[id(mp.model)] = readers.get(id(mp.model), 0) + 1
+        for mp in self.view:
+            got = live[id(mp)]
             full = ref.grads.get(mp.model)
-            if full is None:
-                want = torch.zeros(mp.main.numel(), dtype=torch.float32, device=mp.main.device)
-                bound = torch.zeros_like(want)
-            else:
-                want = mp.model_part(full).float()
-                bound = mp.model_part(ref.bounds[mp.model]).float()
             if got is None:
                 t.fail(f"step {self.step_index}: {mp.name} has no gradient")
-                continue
-            err = (got.float() - want).abs()
-            ratio, over = _ratio(err, bound)
-            t.see(ratio, f"{mp.name} step {self.step_index}", err.numel())
-            t.see_resolution(bound, want)
-            if over:
-                i = int(torch.argmax(err - bound))
-                t.fail(f"step {self.step_index}: {mp.name}: {over}/{err.numel()} elements off (e.g. "
-                       f"{float(got.reshape(-1)[i]):.6g} vs {float(want[i]):.6g}, bound {float(bound[i]):.3g})")
+            else:
+                got = got.reshape(-1)
+                want_all = None if full is None else mp.model_part(full)
+                bound_all = None if full is None else mp.model_part(ref.bounds[mp.model])
+                worst, over_total, example = 0.0, 0, ""
+                for lo, hi in _blocks(got.numel()):
+                    g = got[lo:hi].float()
+                    if want_all is None or bound_all is None:
+                        want = torch.zeros_like(g)
+                        bound = torch.zeros_like(g)
+                    else:
+                        want = want_all[lo:hi].float()
+                        bound = bound_all[lo:hi].float()
+                    err = (g - want).abs()
+                    ratio, over = _ratio(err, bound)
+                    worst = max(worst, ratio)
+                    t.see_resolution(bound, want)
+                    if over and not example:
+                        i = int(torch.argmax(err - bound))
+                        example = (f"e.g. {float(g[i]):.6g} vs {float(want[i]):.6g}, bound "
+                                   f"{float(bound[i]):.3g}")
+                    over_total += over
+                t.see(worst, f"{mp.name} step {self.step_index}", got.numel())
+                if over_total:
+                    t.fail(f"step {self.step_index}: {mp.name}: {over_total}/{got.numel()} elements off ({example})")
+            readers[id(mp.model)] -= 1
+            if not readers[id(mp.model)]:
+                ref.grads.pop(mp.model, None)
+                ref.bounds.pop(mp.model, None)
 
     def _compare_losses(self, ref: GradReference, losses: Sequence[Any]) -> None:
         t = self.tally["loss"]
@@ -619,16 +678,6 @@ def _grad_dtype(param: Any) -> Any:
 
 def _state_of(mp: MainParam) -> dict[str, Any]:
     return dict(mp.inner.state.get(mp.main, {})) if mp.inner is not None else {}
-
-
-def _equal(a: Any, b: Any) -> bool:
-    import torch
-
-    if a is None or b is None:
-        return a is b
-    if hasattr(a, "shape") and hasattr(b, "shape"):
-        return torch.equal(a.reshape(-1), b.detach().reshape(-1))
-    return bool(a == b)
 
 
 def _loss_value(d: Any) -> float | None:
