@@ -190,10 +190,15 @@ def _case(world: int, name: str) -> dict[str, Any]:
     got = gather_full(binding)
     to_rank0 = gather_full(binding, dst=0)
     small = list(iter_full(binding, bucket_bytes=4096))
+    # every bucket of several tensors stays within 4096 bytes of output and of received slices
+    (_, buckets), = [v for k, v in binding._full_plans.items() if k[1] == 4096]
+    over = [(b.total, b.staging) for b in buckets if len(b.outputs) > 1
+            and max(b.total, b.staging) * b.dtype.itemsize > 4096]
     out: dict[str, Any] = {
         "status": "ok", "n": len(want), "differ": _differ(got, want),
         "dst_differ": _differ(to_rank0, want) if dist.get_rank() == 0 else sorted(to_rank0),
-        "small_differ": _differ(dict(small), want), "small_chunks": len(small),
+        "small_differ": _differ(dict(small), want), "small_chunks": len(small), "buckets_over": over,
+        "buckets": len(buckets),
         "round_trip": Manifest.from_json(manifest.to_json()) == manifest,
         "format_version": manifest.format_version, "mode": binding.mode, "unbound": list(binding.unbound),
         "vp_stages": sorted({e.vp_stage for e in manifest.params if e.vp_stage is not None}),

@@ -49,6 +49,7 @@ def _check(cases: list[dict[str, Any]], name: str) -> None:
         assert c["dst_differ"] == [], (rank, c)  # rank 0: equal; the others: received nothing
         assert c["round_trip"] and c["format_version"] == 2
         assert c["small_chunks"] == c["n"] > 0
+        assert c["buckets"] > 1 and c["buckets_over"] == [], c  # iter_full's memory bound: one bucket
         if "wrong_stride" in c:
             assert c["wrong_stride"]["refused"] is None and c["wrong_stride"]["differ"], c["wrong_stride"]
     if "tp2" in name:
