@@ -87,3 +87,14 @@ def test_support_table_shows_the_checkpoint_matrix() -> None:
                   "0.19.2": {"full": "differs: ['a']", "weights": "differs: ['a']"}}}}
     rows = [ln for ln in _checkpoint_section(cross) if ln.startswith("| 0.")]
     assert rows == ["| 0.4.0 | exact | differs |", "| 0.19.2 | weights exact; optimizer refused | exact |"]
+
+
+def test_strict_names(tmp_path: Path) -> None:
+    """A model with a buffer the checkpoint lacks: strict refuses naming it; strict=False loads what both have."""
+    path = _saved(tmp_path)
+    target = _model(1)
+    target.register_buffer("stat", torch.ones(2))
+    with pytest.raises(mc.CheckpointError, match=r"missing in the checkpoint \['stat'\]"):
+        mc.load_checkpoint(path, target)
+    mc.load_checkpoint(path, target, strict=False)
+    assert torch.equal(target[0].weight, _model(0)[0].weight) and torch.equal(target.stat, torch.ones(2))
