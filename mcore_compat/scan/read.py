@@ -3,7 +3,8 @@
 Every ``import megatron.core.x [as y]`` and ``from megatron.core.x import Y`` (at any depth: inside functions,
 ``try``/``except`` blocks, ``if TYPE_CHECKING``), and every attribute read on a name bound to a Megatron module
 (``mpu.get_tensor_model_parallel_rank``, ``parallel_state.X``, ``megatron.core.tensor_parallel.X``) becomes a
-:class:`Use` of one ``(module, name)`` pair. Relative imports are the client's own and are skipped.
+:class:`Use` of one ``(module, name)`` pair. Relative imports are the client's own and are skipped; a file whose
+text never says ``megatron`` is not parsed (most of a client's files: a scan of verl 23 s -> 5 s).
 """
 
 from __future__ import annotations
@@ -82,9 +83,12 @@ def read_file(path: Path, label: str, is_module: Callable[[str], bool]) -> tuple
     Raises:
         SyntaxError, UnicodeDecodeError, OSError: the file cannot be read or parsed.
     """
-    tree = ast.parse(path.read_bytes(), filename=str(path))
+    source = path.read_bytes()
     uses: list[Use] = []
     raw: list[RawImport] = []
+    if b"megatron" not in source:  # no Megatron import possible: not parsed (most of a client's files)
+        return uses, raw
+    tree = ast.parse(source, filename=str(path))
     aliases: dict[str, str] = {}  # local name -> Megatron module (file-wide: a static, flow-blind read)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
