@@ -4,8 +4,8 @@ Downloads four released clients (``pip download --no-deps``, cached under ``.cac
 runs ``mcore-compat scan --json`` on each for every supported release, and writes per client and release: the
 ``megatron.core`` names it uses, how many import raw as written, how many the mirror ``mcore_compat.core`` reaches
 (raw + moved), how many moved, how many are absent. The table goes into README.md between the ``clients`` markers.
-Then it applies ``scan --fix`` to a copy of each client and records the mirror imports of the fixed copy
-(``tests/data/client_mirror_imports.json``), which ``tests/test_client_imports_real.py`` imports in every release
+Then it applies ``scan --fix`` to a copy of each client and records the mirror imports of the fixed copy and the
+mirror paths of every name the scan read, attribute uses included (``tests/data/client_mirror_imports.json``), which ``tests/test_client_imports_real.py`` imports in every release
 session.
 
     python scripts/measure_clients.py           # download (once), scan, write README.md and the data file
@@ -93,7 +93,10 @@ def measure() -> tuple[dict[str, dict], dict[str, list[list[str]]]]:
             shutil.copytree(tree, fixed)
             subprocess.run([sys.executable, "-m", "mcore_compat", "scan", str(fixed), "--fix", "--release", "0.16.1"],
                            cwd=ROOT, capture_output=True, check=False)
-            imports[requirement] = mirror_imports(fixed)
+            # the fixed import lines, and every name the scan read (attribute uses ``mpu.x`` too) at its mirror path
+            used = {("mcore_compat.core" + n["module"][len("megatron.core"):], n["name"])
+                    for n in reports[requirement]["names"]}
+            imports[requirement] = [list(p) for p in sorted(used | {tuple(p) for p in mirror_imports(fixed)})]
     return reports, imports
 
 

@@ -63,15 +63,17 @@ def fix_file(path: Path) -> bool:
         OSError: it cannot be read or written (a read-only file).
         ValueError: it does not parse.
     """
-    if not path.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):  # read-only, even to root
-        raise PermissionError(f"{path} is read-only")
     source = path.read_text(encoding="utf-8")
+    if OLD not in source:  # nothing to rewrite: not parsed (most of a client's files)
+        return False
     try:
         fixed = fix_source(source)
     except Exception as exc:  # libcst.ParserSyntaxError
         raise ValueError(f"does not parse ({str(exc).splitlines()[0]})") from exc
     if fixed == source:
         return False
+    if not path.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):  # read-only, even to root
+        raise PermissionError(f"{path} is read-only")
     with open(path, "r+", encoding="utf-8", newline="") as handle:  # fails on a read-only file before writing
         handle.write(fixed)
         handle.truncate()
