@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mcore_compat.selfcheck import fingerprint as fp
-from mcore_compat.selfcheck.fingerprint import fingerprint
+from mcore_compat.selfcheck.fingerprint import changed, fingerprint, fingerprints
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64])
@@ -14,11 +14,11 @@ def test_a_copy_matches_and_any_one_or_two_element_change_does_not(dtype: torch.
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fp, "_BLOCK", 1000)
     x = (torch.randn(9_001) * 100).to(dtype)  # several blocks
-    assert fingerprint(x) == fingerprint(x.clone())
+    assert changed([(fingerprint(x), fingerprint(x.clone()))]) == [False]
     for change in ("one", "swap", "negate", "zero"):
         y = x.clone()
         if change == "one":
-            y[4_500] = y[4_500] + 1
+            y[4_500] = 12345  # no randn*100 value rounds to it in any dtype here
         elif change == "swap":  # same multiset of values: the index-weighted sum tells
             y[3], y[8_999] = x[8_999], x[3]
             if x[3] == x[8_999]:
@@ -27,12 +27,21 @@ def test_a_copy_matches_and_any_one_or_two_element_change_does_not(dtype: torch.
             y[7] = -y[7] if y[7] != 0 else 1
         else:
             y.zero_()
-        assert fingerprint(y) != fingerprint(x), change
+        assert changed([(fingerprint(y), fingerprint(x))]) == [True], change
 
 
 def test_dtype_shape_and_plain_values_count() -> None:
     x = torch.zeros(4, 6)
-    assert fingerprint(x) != fingerprint(x.reshape(6, 4))
-    assert fingerprint(x) != fingerprint(x.to(torch.int32))
-    assert fingerprint(3) == fingerprint(3) and fingerprint(3) != fingerprint(4)
-    assert fingerprint(x[:, ::2]) == fingerprint(x[:, ::2].contiguous())
+    assert changed([(fingerprint(x), fingerprint(x.reshape(6, 4))), (fingerprint(x), fingerprint(x.to(torch.int32))),
+                    (fingerprint(3), fingerprint(4))]) == [True, True, True]
+    assert changed([(fingerprint(3), fingerprint(3)),
+                    (fingerprint(x[:, ::2]), fingerprint(x[:, ::2].contiguous()))]) == [False, False]
+
+
+def test_fingerprints_together_equal_one_by_one_and_see_a_change() -> None:
+    items = [torch.randn(100), torch.randn(3, 4).bfloat16(), torch.tensor(2.0), 5, torch.randn(7, 5).t(),
+             torch.zeros(0), torch.ones(3, dtype=torch.bool), torch.randn(300_000)]
+    together = fingerprints(items)
+    assert not any(changed(list(zip([fingerprint(x) for x in items], together, strict=True))))
+    items[1][2, 3] = 12345
+    assert changed(list(zip(together, fingerprints(items), strict=True))) == [i == 1 for i in range(len(items))]

@@ -8,19 +8,21 @@ sum (``d_j = -d_i``) alters the second by ``(j - i) * d_i``, which is nonzero mo
 (``|j - i| < 2**31``, ``|d_i| < 2**32`` for 32-bit elements). Changes of three or more elements could cancel in
 both sums only by a coincidence of the changed values (not by rounding, scaling, zeroing or a stale copy, the
 faults the self-check injects); a mismatch says *that* a tensor changed, not *where*. Cost: two integer passes
-in blocks of ``_BLOCK`` elements, no copy of the tensor kept.
+in blocks of ``_BLOCK`` elements, no copy of the tensor kept; the sums stay on the tensor's device until
+:func:`changed` compares many fingerprints at once (one host sync per device, not one per tensor).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Fingerprint", "fingerprint"]
+__all__ = ["Fingerprint", "changed", "fingerprint", "fingerprints"]
 
 #: elements per block of the integer sums (bounds the int64 temporaries)
 _BLOCK = 1 << 22
 
-Fingerprint = tuple[Any, ...]
+#: ``(what is known on the host: dtype, shape, count or a plain value; the two sums as a device tensor or None)``
+Fingerprint = tuple[tuple[Any, ...], Any]
 
 _INT_OF_WIDTH = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
@@ -30,19 +32,80 @@ def fingerprint(t: Any) -> Fingerprint:
     import torch
 
     if not (hasattr(t, "detach") and hasattr(t, "element_size")):
-        return ("value", t)
+        return ("value", t), None
     x = t.detach()
     flat = x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     ints = flat.view(getattr(torch, _INT_OF_WIDTH[flat.element_size()]))
     n = ints.numel()
-    s1 = torch.zeros((), dtype=torch.int64, device=ints.device)
-    s2 = torch.zeros((), dtype=torch.int64, device=ints.device)
+    sums = torch.zeros(2, dtype=torch.int64, device=ints.device)
     for lo in range(0, n, _BLOCK):
         hi = min(lo + _BLOCK, n)
         v = ints[lo:hi].to(torch.int64)
-        s1 += v.sum()
-        w = torch.arange(lo + 1, hi + 1, dtype=torch.int64, device=ints.device)
-        s2 += (v * w).sum()
-    return (str(x.dtype), tuple(x.shape), n, int(s1), int(s2))
+        w = _weights(ints.device, hi - lo).add(lo)
+        sums += torch.stack([v.sum(), torch.mul(v, w).sum()])
+    return (str(x.dtype), tuple(x.shape), n), sums
+
+
+#: tensors up to this many elements are fingerprinted together (one concatenation and segment sums per device
+#: and element width, a handful of kernels for hundreds of small tensors)
+_SMALL = 1 << 18
+
+
+def fingerprints(items: list[Any]) -> list[Fingerprint]:
+    """``[fingerprint(x) for x in items]`` (the same values), small tensors summed together."""
+    import torch
+
+    out: list[Fingerprint | None] = [None] * len(items)
+    groups: dict[tuple[Any, int], list[int]] = {}
+    for i, x in enumerate(items):
+        if hasattr(x, "detach") and hasattr(x, "element_size") and 0 < x.numel() <= _SMALL \
+                and x.dtype != torch.bool:
+            groups.setdefault((x.device, x.element_size()), []).append(i)
+        else:
+            out[i] = fingerprint(x)
+    for (device, width), idx in groups.items():
+        int_dtype = getattr(torch, _INT_OF_WIDTH[width])
+        flats = [items[i].detach().reshape(-1).view(int_dtype) for i in idx]
+        lengths = torch.tensor([f.numel() for f in flats], dtype=torch.int64)
+        v = torch.cat(flats).to(torch.int64)
+        seg = torch.repeat_interleave(torch.arange(len(idx)), lengths).to(device)
+        starts = (torch.cumsum(lengths, 0) - lengths).to(device)
+        w = torch.arange(1, v.numel() + 1, dtype=torch.int64, device=device) - starts[seg]
+        sums = torch.zeros(len(idx), 2, dtype=torch.int64, device=device)
+        sums[:, 0].index_add_(0, seg, v)
+        sums[:, 1].index_add_(0, seg, v * w)
+        for k, i in enumerate(idx):
+            x = items[i]
+            out[i] = ((str(x.dtype), tuple(x.shape), x.numel()), sums[k])
+    return [f for f in out if f is not None]
+
+
+_WEIGHTS: dict[Any, Any] = {}
+
+
+def _weights(device: Any, n: int) -> Any:
+    """``1..n`` (int64) on ``device``, cut from one cached range."""
+    import torch
+
+    w = _WEIGHTS.get(device)
+    if w is None or w.numel() < n:
+        w = _WEIGHTS[device] = torch.arange(1, max(n, _BLOCK) + 1, dtype=torch.int64, device=device)
+    return w[:n]
+
+
+def changed(pairs: list[tuple[Fingerprint, Fingerprint]]) -> list[bool]:
+    """For each pair of fingerprints: do they differ (one host sync per device for all pairs)?"""
+    import torch
+
+    out = [a[0] != b[0] or (a[1] is None) != (b[1] is None) for a, b in pairs]
+    by_device: dict[Any, list[int]] = {}
+    for i, (a, b) in enumerate(pairs):
+        if not out[i] and a[1] is not None and b[1] is not None:
+            by_device.setdefault(a[1].device, []).append(i)
+    for idx in by_device.values():
+        neq = (torch.stack([pairs[i][0][1] for i in idx]) != torch.stack([pairs[i][1][1] for i in idx])).any(dim=1)
+        for i, d in zip(idx, neq.tolist(), strict=True):
+            out[i] = bool(d)
+    return out

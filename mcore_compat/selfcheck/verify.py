@@ -22,10 +22,15 @@ Around each step (``zero_grad_buffer``, ``forward_backward``, ``optimizer_step``
 * ``all_params_changed``: every trainable param's main param (the optimizer's fp32 copy or shard, merged over
   the ranks that share it) changed in the first step;
 * ``state_unchanged_between_steps``: nothing touched main params, optimizer state or model params between two
-  steps;
+  steps (their fingerprints, :mod:`.fingerprint`, equal);
 * ``replicas_identical``: every param replicated over a group is bit-identical over it (data parallel, expert
   data parallel, tensor-parallel duplicates, the tied embedding/output pair);
 * ``optimizer_covers_params``: every trainable element is updated by exactly one main param of some group.
+
+Memory: the values the update check needs (main params, optimizer state, finalized gradients) are copied after
+the reference has run and freed its gradients (fingerprints prove the forward/backward left the main params and
+state alone, and the reference run left the gradients alone), so the copy and the reference never coexist; the
+gradient comparison and the rule run in blocks of :data:`_BLOCK` elements, their verdicts read with one host sync.
 
 Checks that cannot apply say so (e.g. ``model_params_match_main`` when the model params are the main params).
 """
@@ -39,7 +44,7 @@ from typing import Any
 
 from .._optimizer_view import MainParam, optimizer_view
 from .configured import Configured, from_optimizer
-from .fingerprint import fingerprint
+from .fingerprint import Fingerprint, changed, fingerprints
 from .groups import Groups
 from .invariants import compare_replicas, global_grad_norm
 from .oracle import BOUND_TEXT, Rule, expected_step, rule_of
@@ -169,18 +174,27 @@ def _resolution_text(tally: _Tally, what: str = "a main param off the rule") -> 
             f"element; {high:.2g} at the 90th percentile)")
 
 
-def _ratio(err: Any, bound: Any) -> tuple[float, int]:
+def _ratio(err: Any, bound: Any) -> tuple[Any, Any]:
     """Worst ``err/bound`` (an element over its bound gives > 1; a nonzero error with zero bound gives inf) and
-    the number of elements over their bound."""
+    the number of elements over their bound, as float64 device scalars (read them together, one sync)."""
     import torch
 
-    over = err > bound
-    n_over = int(over.sum())
     if err.numel() == 0:
-        return 0.0, 0
+        zero = torch.zeros((), dtype=torch.float64, device=err.device)
+        return zero, zero
+    over = (err > bound).sum().double()
     safe = torch.where(bound > 0, err / bound.clamp_min(torch.finfo(bound.dtype).tiny),
                        torch.where(err > 0, float("inf"), 0.0))
-    return float(safe.max()), n_over
+    return safe.max().double(), over
+
+
+def _read(scalars: list[Any]) -> list[float]:
+    """Device scalars as floats (one host sync per call)."""
+    import torch
+
+    if not scalars:
+        return []
+    return [float(x) for x in torch.stack([x.to(scalars[0].device) for x in scalars]).tolist()]
 
 
 class StepVerifier:
@@ -193,7 +207,8 @@ class StepVerifier:
         chunks: the DDP-wrapped model chunks of this rank.
         optimizer: their optimizer.
         reference: build the plain-autograd copy (one more model in memory) for ``grads_match_reference``.
-        continuity: keep the state after each step to prove nothing changed it before the next one.
+        continuity: keep exact fingerprints (:mod:`.fingerprint`) of the state after each step to prove nothing
+            changed it before the next one (a mismatch says that a param changed, not where).
         per_token_loss: the schedule's ``calculate_per_token_loss``.
         configured: the hyper-parameters the updates must follow (:func:`.configured.from_options`); default:
             :func:`.configured.from_optimizer` (the optimizer's config, the groups' lr and weight decay before
@@ -225,8 +240,8 @@ class StepVerifier:
         self.tally: dict[str, _Tally] = {k: _Tally() for k in (
             "grads", "norm", "update", "model", "changed", "continuity", "replicas", "loss")}
         self._pre: dict[int, _Pre] = {}
-        self._after: dict[int, tuple[Any, ...]] = {}
-        self._entry: dict[int, tuple[Any, ...]] = {}
+        self._after: dict[int, list[Fingerprint]] = {}
+        self._entry: dict[int, list[Fingerprint]] = {}
         self._loss_scale = 1.0
         self.losses_seen: list[float] = []
         self.replica_groups: set[str] = set()
@@ -303,23 +318,45 @@ class StepVerifier:
         self._loss_scale = self.view.loss_scale() if not self.view.unsupported else 1.0
         if self.continuity and self._after:
             t = self.tally["continuity"]
-            for mp in self.view:
-                if self._after[id(mp)] != self._prints(mp, model=True):
+            for mp, moved in zip(self.view, self._moved(self._after, model=True), strict=True):
+                if moved:
                     t.fail(f"step {self.step_index}: {mp.name} changed between steps")
                 t.see(0.0, "", mp.main.numel())
         self._pre = {}
-        self._entry = {}
         for mp in self.view:
             self._pre[id(mp)] = _Pre(None, {}, None if mp.group is None else {k: mp.group[k] for k in _HYPER_KEYS
                                                                               if k in mp.group})
-            self._entry[id(mp)] = self._prints(mp)
+        self._entry = self._prints()
         self.rng.start_step()
 
-    def _prints(self, mp: MainParam, model: bool = False) -> tuple[Any, ...]:
-        """Fingerprints of ``mp``'s main param and optimizer state (and, with ``model``, its model param)."""
-        state = {k: fingerprint(v) for k, v in _state_of(mp).items()}
-        main = None if model and mp.main is mp.model else fingerprint(mp.main)
-        return (main, state, fingerprint(mp.model_part(mp.model.detach())) if model else None)
+    def _prints(self, model: bool = False) -> dict[int, list[Fingerprint]]:
+        """Per main param: fingerprints of its main param and optimizer state (and, with ``model``, its model
+        param), all taken together (:func:`.fingerprint.fingerprints`)."""
+        items: list[Any] = []
+        spans: list[tuple[int, int, int]] = []
+        for mp in self.view:
+            state = _state_of(mp)
+            mine: list[Any] = [tuple(sorted(state))] + [state[k] for k in sorted(state)]
+            if not (model and mp.main is mp.model):
+                mine.append(mp.main)
+            if model:
+                mine.append(mp.model_part(mp.model.detach()))
+            spans.append((id(mp), len(items), len(items) + len(mine)))
+            items.extend(mine)
+        prints = fingerprints(items)
+        return {k: prints[lo:hi] for k, lo, hi in spans}
+
+    def _moved(self, before: dict[int, list[Fingerprint]], model: bool = False) -> list[bool]:
+        """Per main param (in view order): do its fingerprints now differ from ``before``'s?"""
+        now_all = self._prints(model)
+        pairs: list[tuple[Fingerprint, Fingerprint]] = []
+        spans: list[tuple[int, int, bool]] = []
+        for mp in self.view:
+            now, then = now_all[id(mp)], before[id(mp)]
+            spans.append((len(pairs), len(pairs) + min(len(now), len(then)), len(now) != len(then)))
+            pairs.extend(zip(then, now, strict=False))
+        diff = changed(pairs)
+        return [odd or any(diff[lo:hi]) for lo, hi, odd in spans]
 
     def after_backward(self, forward_step_func: Callable[..., Any] | None, batches: Sequence[Sequence[Any] | None],
                        num_microbatches: int, losses: Sequence[Any] = ()) -> None:
@@ -328,29 +365,41 @@ class StepVerifier:
         unchanged by the reference run), the main params and optimizer state (proven unchanged by the forward
         and backward: equal fingerprints)."""
         live = {id(mp): mp.finalized_grad() for mp in self.view}
-        grad_prints = {k: None if g is None else fingerprint(g) for k, g in live.items()}
         self._replicas(f"step {self.step_index}")
+        grad_prints: dict[int, Fingerprint] = {}
         if self.reference is not None and forward_step_func is not None and not self.unreplayable:
+            keys = [k for k, g in live.items() if g is not None]
+            grad_prints = dict(zip(keys, fingerprints([live[k] for k in keys]), strict=True))
             ref = self.reference.run(forward_step_func, batches, num_microbatches, loss_scale=self._loss_scale,
                                      rng=self.rng)
             self._compare_grads(ref, live)
             self._compare_losses(ref, losses)
             del ref
         del live
-        self.snapshot_bytes = 0
-        for mp in self.view:
-            pre = self._pre[id(mp)]
-            if self._prints(mp) != self._entry[id(mp)]:
+        for mp, moved in zip(self.view, self._moved(self._entry), strict=True):
+            if moved:
                 self.tally["update"].fail(f"step {self.step_index}: {mp.name}: main param or optimizer state "
                                           f"changed during forward_backward")
+        self.snapshot_bytes = 0
+        grad_then: list[Fingerprint] = []
+        grad_now: list[Any] = []
+        grad_names: list[str] = []
+        for mp in self.view:
+            pre = self._pre[id(mp)]
             pre.p0 = mp.main.detach().float().clone()
             pre.state0 = _clone_state(_state_of(mp))
             g = mp.finalized_grad()
             pre.grad = None if g is None else g.detach().clone()
-            if fingerprint(pre.grad) != grad_prints[id(mp)] and grad_prints[id(mp)] is not None:
-                self.tally["grads"].fail(f"step {self.step_index}: {mp.name}: the finalized gradient changed "
-                                         f"while the reference ran")
+            if id(mp) in grad_prints:
+                grad_then.append(grad_prints[id(mp)])
+                grad_now.append(pre.grad)
+                grad_names.append(mp.name)
             self.snapshot_bytes += _nbytes(pre.p0) + _nbytes(pre.grad) + sum(_nbytes(v) for v in pre.state0.values())
+        grad_pairs = list(zip(grad_then, fingerprints(grad_now), strict=True))
+        for name, moved in zip(grad_names, changed(grad_pairs), strict=True):
+            if moved:
+                self.tally["grads"].fail(f"step {self.step_index}: {name}: the finalized gradient changed while the "
+                                         f"reference ran")
 
     def after_step(self, update_successful: bool, grad_norm: float | None) -> None:
         """After ``optimizer_step``: the rule, the model params, the first step's changes."""
@@ -361,7 +410,7 @@ class StepVerifier:
             self._check_changed()
         self._pre = {}  # the snapshot is spent: free it before the next step
         if self.continuity:
-            self._after = {id(mp): self._prints(mp, model=True) for mp in self.view}
+            self._after = self._prints(model=True)
         self.step_index += 1
 
     def final_replicas(self) -> None:
@@ -387,7 +436,7 @@ class StepVerifier:
                 got = got.reshape(-1)
                 want_all = None if full is None else mp.model_part(full)
                 bound_all = None if full is None else mp.model_part(ref.bounds[mp.model])
-                worst, over_total, example = 0.0, 0, ""
+                worst_t, over_t = _ratio(got[:0], got[:0])
                 for lo, hi in _blocks(got.numel()):
                     g = got[lo:hi].float()
                     if want_all is None or bound_all is None:
@@ -398,16 +447,24 @@ class StepVerifier:
                         bound = bound_all[lo:hi].float()
                     err = (g - want).abs()
                     ratio, over = _ratio(err, bound)
-                    worst = max(worst, ratio)
+                    worst_t, over_t = torch.maximum(worst_t, ratio), over_t + over
                     t.see_resolution(bound, want)
-                    if over and not example:
-                        i = int(torch.argmax(err - bound))
-                        example = (f"e.g. {float(g[i]):.6g} vs {float(want[i]):.6g}, bound "
-                                   f"{float(bound[i]):.3g}")
-                    over_total += over
+                worst, over_total = _read([worst_t, over_t])
                 t.see(worst, f"{mp.name} step {self.step_index}", got.numel())
                 if over_total:
-                    t.fail(f"step {self.step_index}: {mp.name}: {over_total}/{got.numel()} elements off ({example})")
+                    example = ""
+                    for lo, hi in _blocks(got.numel()):
+                        g = got[lo:hi].float()
+                        want = torch.zeros_like(g) if want_all is None else want_all[lo:hi].float()
+                        bound = torch.zeros_like(g) if bound_all is None else bound_all[lo:hi].float()
+                        err = (g - want).abs()
+                        if bool((err > bound).any()):
+                            i = int(torch.argmax(err - bound))
+                            example = (f"e.g. {float(g[i]):.6g} vs {float(want[i]):.6g}, bound "
+                                       f"{float(bound[i]):.3g}")
+                            break
+                    t.fail(f"step {self.step_index}: {mp.name}: {int(over_total)}/{got.numel()} elements off "
+                           f"({example})")
             readers[id(mp.model)] -= 1
             if not readers[id(mp.model)]:
                 ref.grads.pop(mp.model, None)
@@ -463,6 +520,8 @@ class StepVerifier:
             return
         coeff = self._clip_coeff(grad_norm)
         self.last_clip_coeff = coeff
+        pending: list[tuple[Any, ...]] = []
+        scalars: list[Any] = []  # read together after the loop: one host sync for every block of every param
         for mp in self.view:
             pre = self._pre[id(mp)]
             after = mp.main.detach().reshape(-1)
@@ -491,47 +550,69 @@ class StepVerifier:
                 continue
             now = _state_of(mp)
             steps_seen: set[int] = set()
-            worst, over_total, example = 0.0, 0, ""
-            moments_off: dict[str, int] = {}
+            worst_t, over_t = _ratio(after[:0], after[:0])
+            moments_t: dict[str, Any] = {}
+            missing: set[str] = set()
             for lo, hi in _blocks(after.numel()):
-                p0 = pre.p0.reshape(-1)[lo:hi]
-                grad = pre.grad.reshape(-1)[lo:hi].double() / self._loss_scale * coeff
-                state0 = {k: (v.reshape(-1)[lo:hi] if _is_tensor(v) and v.dim() else v)
-                          for k, v in pre.state0.items()}
-                p1, state1, bound = expected_step(rule, hyper, p0, grad, state0)
+                p1, state1, bound, got = self._expected_block(mp, pre, rule, hyper, coeff, lo, hi)
                 t.see_resolution(bound, p1)
-                got = mp.main.detach().reshape(-1)[lo:hi].double()
-                err = (got - p1).abs()
-                ratio, over = _ratio(err, bound)
-                worst = max(worst, ratio)
-                if over and not example:
-                    i = int(torch.argmax(err - bound))
-                    example = (f"e.g. {float(got[i]):.9g} vs {float(p1[i]):.9g} from {float(p0[i]):.9g}, bound "
-                               f"{float(bound[i]):.3g}")
-                over_total += over
+                ratio, over = _ratio((got - p1).abs(), bound)
+                worst_t, over_t = torch.maximum(worst_t, ratio), over_t + over
                 for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
                     if key not in state1:
                         continue
                     if key not in now:
-                        moments_off[key] = -1
+                        missing.add(key)
                         continue
                     g_state = now[key].detach().reshape(-1)[lo:hi].double()
                     r, o = _ratio((g_state - state1[key]).abs(), state1[f"{key}.bound"])
-                    worst = max(worst, r)
-                    moments_off[key] = moments_off.get(key, 0) + o
+                    worst_t = torch.maximum(worst_t, r)
+                    moments_t[key] = moments_t[key] + o if key in moments_t else o
                 if "step" in state1:
                     steps_seen.add(int(state1["step"]))
-            t.see(worst, f"{mp.name} step {self.step_index}", after.numel())
+            pending.append((mp, pre, rule, hyper, now, steps_seen, missing, list(moments_t), 2 + len(moments_t)))
+            scalars.extend([worst_t, over_t, *moments_t.values()])
+        values = _read(scalars)
+        at = 0
+        for mp, pre, rule, hyper, now, steps_seen, missing, keys, n in pending:
+            worst, over_total, *moment_overs = values[at:at + n]
+            at += n
+            numel = mp.main.numel()
+            t.see(worst, f"{mp.name} step {self.step_index}", numel)
             if over_total:
-                t.fail(f"step {self.step_index}: {mp.name}: {over_total}/{after.numel()} elements off the rule "
-                       f"({example})")
-            for key, o in moments_off.items():
+                t.fail(f"step {self.step_index}: {mp.name}: {int(over_total)}/{numel} elements off the rule "
+                       f"({self._update_example(mp, pre, rule, hyper, coeff)})")
+            for key in sorted(missing):
+                t.fail(f"step {self.step_index}: {mp.name}: optimizer state {key} missing")
+            for key, o in zip(keys, moment_overs, strict=True):
                 if o:
-                    t.fail(f"step {self.step_index}: {mp.name}: optimizer state {key} " +
-                           ("missing" if o < 0 else f"off the rule in {o} elements"))
+                    t.fail(f"step {self.step_index}: {mp.name}: optimizer state {key} off the rule in {int(o)} "
+                           f"elements")
             if steps_seen and "step" in now and int(float(now["step"])) not in steps_seen:
                 t.fail(f"step {self.step_index}: {mp.name}: optimizer step count {int(float(now['step']))} "
                        f"expected {min(steps_seen)}")
+
+    def _expected_block(self, mp: MainParam, pre: _Pre, rule: Rule, hyper: dict[str, Any], coeff: float, lo: int,
+                        hi: int) -> tuple[Any, dict[str, Any], Any, Any]:
+        """The rule on elements ``lo:hi`` of ``mp``: ``(p', state', bound, the main param seen)`` (float64)."""
+        p0 = pre.p0.reshape(-1)[lo:hi]
+        grad = pre.grad.reshape(-1)[lo:hi].double() / self._loss_scale * coeff
+        state0 = {k: (v.reshape(-1)[lo:hi] if _is_tensor(v) and v.dim() else v) for k, v in pre.state0.items()}
+        p1, state1, bound = expected_step(rule, hyper, p0, grad, state0)
+        return p1, state1, bound, mp.main.detach().reshape(-1)[lo:hi].double()
+
+    def _update_example(self, mp: MainParam, pre: _Pre, rule: Rule, hyper: dict[str, Any], coeff: float) -> str:
+        """The first element of ``mp`` off the rule, in words (the failure path: the blocks recomputed)."""
+        import torch
+
+        for lo, hi in _blocks(mp.main.numel()):
+            p1, _state1, bound, got = self._expected_block(mp, pre, rule, hyper, coeff, lo, hi)
+            err = (got - p1).abs()
+            if bool((err > bound).any()):
+                i = int(torch.argmax(err - bound))
+                return (f"e.g. {float(got[i]):.9g} vs {float(p1[i]):.9g} from {float(pre.p0.reshape(-1)[lo + i]):.9g}"
+                        f", bound {float(bound[i]):.3g}")
+        return ""
 
     def _check_model_params(self) -> None:
         import torch
