@@ -31,10 +31,12 @@ __all__ = [
     "InvalidTypeError",
     "McoreCompatError",
     "MegatronNotFoundError",
+    "MissingExtraError",
     "NameUnavailableError",
     "NotFoundError",
     "PatchError",
     "PatchRefusedError",
+    "ReadOnlyFileError",
     "SymbolUnavailableError",
     "UnknownFactError",
     "UnsupportedFeatureError",
@@ -91,6 +93,14 @@ class NameUnavailableError(McoreCompatError, ImportError):
         self.name = name
         self.symbol = symbol
         self.releases = releases
+
+
+class MissingExtraError(McoreCompatError, ImportError):
+    """A feature needs an optional dependency that is not installed (the message names the extra to install)."""
+
+
+class ReadOnlyFileError(McoreCompatError, PermissionError):
+    """A file mcore-compat was asked to rewrite (``scan --fix``) cannot be written."""
 
 
 class UnsupportedVersionError(McoreCompatError):

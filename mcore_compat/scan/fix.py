@@ -12,6 +12,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from ..errors import InvalidArgumentError, MissingExtraError, ReadOnlyFileError
+
 __all__ = ["fix_file", "fix_source"]
 
 OLD, NEW = "megatron.core", "mcore_compat.core"
@@ -21,7 +23,7 @@ def _libcst() -> Any:
     try:
         import libcst
     except ImportError as exc:  # pragma: no cover - the scan extra is missing
-        raise ImportError("scan --fix needs libcst: pip install 'mcore-compat[scan]'") from exc
+        raise MissingExtraError("scan --fix needs libcst: pip install 'mcore-compat[scan]'") from exc
     return libcst
 
 
@@ -60,8 +62,10 @@ def fix_file(path: Path) -> bool:
     """Rewrite ``path`` in place; ``True`` if it changed.
 
     Raises:
-        OSError: it cannot be read or written (a read-only file).
-        ValueError: it does not parse.
+        OSError: it cannot be read or written (:class:`~mcore_compat.errors.ReadOnlyFileError`, also a
+            ``PermissionError``, for a read-only file).
+        InvalidArgumentError: it does not parse (a ``ValueError``).
+        MissingExtraError: libcst is not installed (an ``ImportError``).
     """
     source = path.read_text(encoding="utf-8")
     if OLD not in source:  # nothing to rewrite: not parsed (most of a client's files)
@@ -69,11 +73,11 @@ def fix_file(path: Path) -> bool:
     try:
         fixed = fix_source(source)
     except Exception as exc:  # libcst.ParserSyntaxError
-        raise ValueError(f"does not parse ({str(exc).splitlines()[0]})") from exc
+        raise InvalidArgumentError(f"does not parse ({str(exc).splitlines()[0]})") from exc
     if fixed == source:
         return False
     if not path.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):  # read-only, even to root
-        raise PermissionError(f"{path} is read-only")
+        raise ReadOnlyFileError(f"{path} is read-only")
     with open(path, "r+", encoding="utf-8", newline="") as handle:  # fails on a read-only file before writing
         handle.write(fixed)
         handle.truncate()
