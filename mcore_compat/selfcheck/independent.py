@@ -62,41 +62,30 @@ class _Local:
 
 
 def _tp_info(p: Any) -> tuple[bool, int, int]:
-    return (bool(getattr(p, "tensor_model_parallel", False)), int(getattr(p, "partition_dim", -1)),
-            int(getattr(p, "partition_stride", 1)))
+    from ..binding.placement import tp_attrs
+
+    return tp_attrs(p)
 
 
 def _keys(core: Any) -> dict[Any, str]:
-    """``{param: key}``: Megatron's name with a transformer layer's local index replaced by its ``layer_number``;
-    the tied output-layer copy (last stage of a pipeline) keyed as the word embedding it stands for."""
-    layers = getattr(getattr(core, "decoder", None), "layers", None)
-    tied = bool(getattr(core, "share_embeddings_and_output_weights", False))
-    out = {}
-    for name, p in core.named_parameters():
-        parts = name.split(".")
-        if layers is not None and parts[:2] == ["decoder", "layers"]:
-            parts[2] = str(int(layers[int(parts[2])].layer_number))
-        key = ".".join(parts)
-        if tied and key == "output_layer.weight":
-            key = "embedding.word_embeddings.weight"
-        out[p] = key
-    return out
+    """``{param: key}``: the single-rank name with Megatron's 1-based ``layer_number`` for a transformer layer's
+    local index; the tied output-layer copy (last stage of a pipeline) keyed as the word embedding it stands for
+    (:func:`mcore_compat.binding.placement.single_rank_names`, shared with ``gather_full``)."""
+    from ..binding.placement import single_rank_names
+
+    return single_rank_names(core, layer_base=1)
 
 
 def _unshard(shards: Sequence[Any], dim: int, stride: int) -> Any:
-    """The full tensor of tensor-parallel ``shards`` (rank order): rank r holds pieces r, r+tp, ... of the full
-    tensor cut into tp*stride pieces along ``dim`` (tensor_parallel/layers.py ``_initialize_affine_weight_cpu``)."""
-    import torch
+    from ..binding.placement import unshard
 
-    pieces = [s.chunk(stride, dim) for s in shards]
-    return torch.cat([pieces[r][j] for j in range(stride) for r in range(len(shards))], dim)
+    return unshard(shards, dim, stride)
 
 
 def _shard(full: Any, dim: int, stride: int, rank: int, tp: int) -> Any:
-    import torch
+    from ..binding.placement import shard
 
-    pieces = full.chunk(tp * stride, dim)
-    return torch.cat([pieces[j * tp + rank] for j in range(stride)], dim)
+    return shard(full, dim, stride, rank, tp)
 
 
 def _loss_of(d: Any) -> float | None:
