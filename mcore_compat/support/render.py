@@ -27,7 +27,8 @@ sequence parallelism, the same with dropout 0.1, PP=2 with tied embeddings and l
 virtual stages, overlapped DP, MoE with expert parallelism; each with two offload/reload cycles between its
 first two steps), on gloo. **Faults caught**: the
 fault-injection suite (`tests/test_selfcheck_real.py`), every fault that can exist on the release injected where
-the real bug acts, in fp32 and bf16 (the offload faults in bf16); a fault counts as caught when the self-check
+the real bug acts, in bf16 and, where the param dtype changes the code it acts in (the optimizer and its
+buffers, the update rule, the fp32 gradient tolerance), in fp32 too; a fault counts as caught when the self-check
 FAILS naming the right check (and the clean configurations PASS). **Megatron faults caught/acting**: faults
 injected inside Megatron-Core itself (`tests/test_megatron_faults.py`: a Megatron function replaced in the ranks,
 e.g. DDP's gradient reduction, the param all-gather, unscaling, the grad norm, clipping, the optimizer step, the
