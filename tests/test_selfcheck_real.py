@@ -153,10 +153,22 @@ def test_every_fault_has_a_case() -> None:
     assert {_fault(c) for c in FAULT_CASES} == set(FAULTS)
 
 
+#: The command line of the matrix's CLI self-check (``ci/jobs.py``); sessions not tagged ``launcher`` run its
+#: configurations here, in the warm ranks, instead of through ``mcore-compat`` with freshly spawned ranks.
+CLI_SWEEP_ARGS = ("--nproc", "2", "--sweep", "--device", "cpu", "--bind")
+
+
+def _cli_sweep() -> dict[str, SelfCheckOptions]:
+    from mcore_compat.cli.selfcheck import _sweep_configs_for
+
+    return {f"cli-{c.label()}": c for c in _sweep_configs_for(CLI_SWEEP_ARGS)}
+
+
 @pytest.fixture(scope="module")
 def sweep(rank_group: Group) -> dict[str, Report]:
     common = dict(model="gpt", steps=2)
     configs = {name: replace(c, **common) for name, c in _clean().items()}
+    configs.update(_cli_sweep())
     if _coupled_unsupported() is None:
         configs.update({name: replace(c, **common) for name, c in COUPLED.items()})
     for name, case in FAULT_CASES.items():
@@ -170,7 +182,22 @@ def sweep(rank_group: Group) -> dict[str, Report]:
     reports = run_sweep(list(configs.values()), 2, device="cpu", timeout=1800, group=rank_group)
     out = dict(zip(configs, reports, strict=True))
     _write_fault_report(out)
+    target = os.environ.get("MCORE_COMPAT_SELFCHECK_REPORT")
+    if target:  # what `mcore-compat self-check ... --json` writes, for the matrix's record of this release
+        with open(target, "w", encoding="utf-8") as fh:
+            json.dump([json.loads(out[n].to_json()) for n in _cli_sweep()], fh, indent=2)
     return out
+
+
+def test_the_cli_sweep_passes(sweep: dict[str, Report]) -> None:
+    """The configurations of the matrix's CLI self-check (fp32, the CLI's defaults, bound, two offload cycles),
+    built by the CLI's own option handling, pass on this release."""
+    names = list(_cli_sweep())
+    assert len(names) >= 3, names
+    for name in names:
+        report = sweep[name]
+        assert report.ok, report.render()
+        assert report.settings["dtype"] == "fp32" and report.settings["bind"], report.settings
 
 
 def _caught(name: str, report: Report) -> bool:

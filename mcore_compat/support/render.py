@@ -22,7 +22,8 @@ latest tested patch of each minor. A version that is not listed (a release candi
 release) is looked up by `mcore-compat doctor`, which names the nearest tested releases.
 
 **CPU**: the release's nox session (pytest counts) and its `mcore-compat self-check --nproc 2 --sweep --bind`
-(the standard configurations the release can run: DP=2 with the distributed optimizer on and off, TP=2 with
+(run through the CLI with freshly spawned ranks in the sessions tagged `launcher`, in the others the same
+configurations built by the CLI's option handling inside the suite's warm ranks; the standard configurations the release can run: DP=2 with the distributed optimizer on and off, TP=2 with
 sequence parallelism, the same with dropout 0.1, PP=2 with tied embeddings and linear biases, PP=2 with
 virtual stages, overlapped DP, MoE with expert parallelism; each with two offload/reload cycles between its
 first two steps), on gloo. **Faults caught**: the
@@ -128,7 +129,8 @@ table at the end of every run). **prepare**: base check, release tree, mcore-com
 whole test run, of which **collect** is collection, **rank starts** the groups of ranks the suite started
 (forked from one warm fork server that imported torch, the CPU patches and Megatron once: see
 `mcore_compat.launch.Group(warm=...)`) and **subprocesses** the fresh interpreters the tests ran (CLI, doctor,
-patches that must precede Megatron's import); **self-check**: the CLI sweep as a user runs it (fresh processes).
+patches that must precede Megatron's import); **self-check**: the CLI sweep as a user runs it (fresh processes;
+the `launcher` sessions only, the others run its configurations inside pytest).
 """
 
 
