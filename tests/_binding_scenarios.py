@@ -637,11 +637,16 @@ def run_all() -> dict[str, Any]:
 
     version = str(detect().version)
     results: dict[str, Any] = {}
+    from _case_groups import case_end, case_start
+
     for name, fn in cases().items():
+        before = case_start()
         try:
             results[name] = fn()
         except Exception:
             results[name] = {"status": "error", "error": traceback.format_exc()}
             dist.barrier()
+            continue
+        case_end(before)
     _ps().destroy_model_parallel()  # the session's ranks run other modules next
     return {"version": version, "patches": patches, "cases": results}

@@ -377,6 +377,8 @@ def run_all(only: tuple[str, ...] = (), keep: str | None = None) -> dict[str, An
     _KEEP = keep
 
     apply_patches()
+    from _case_groups import case_end, case_start
+
     from mcore_compat.detect import detect
 
     version = str(detect().version)
@@ -389,11 +391,14 @@ def run_all(only: tuple[str, ...] = (), keep: str | None = None) -> dict[str, An
         if why is not None:
             results[name] = {"status": "unsupported", "reason": why}
             continue
+        before = case_start()
         try:
             results[name] = fn()
         except Exception:
             results[name] = {"status": "error", "error": traceback.format_exc()}
             dist.barrier()
+            continue
+        case_end(before)
     from mcore_compat.training._common import parallel_state
 
     parallel_state().destroy_model_parallel()

@@ -246,6 +246,7 @@ def _case(world: int, name: str) -> dict[str, Any]:
 
 def run_world(world: int) -> dict[str, Any]:
     """Every layout of ``world`` that the release runs, on this rank: ``{"version", "cases"}``."""
+    from _case_groups import case_end, case_start
     from _training_scenarios import apply_patches
 
     apply_patches()
@@ -260,11 +261,14 @@ def run_world(world: int) -> dict[str, Any]:
         if reason is not None:
             results[name] = {"status": "skip", "reason": reason}
             continue
+        before = case_start()
         try:
             results[name] = _case(world, name)
         except Exception:
             results[name] = {"status": "error", "error": traceback.format_exc()}
             dist.barrier()
+            continue
+        case_end(before)
     ps = symbols.resolve("parallel_state")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()

@@ -155,8 +155,15 @@ def run_case(case: str) -> dict[str, Any]:
 
 
 def run_all() -> dict[str, dict[str, Any]]:
-    """Every case in one process group."""
-    return {case: run_case(case) for case in CASES}
+    """Every case in one process group (each case's process groups destroyed after it)."""
+    from _case_groups import case_end, case_start
+
+    out = {}
+    for case in CASES:
+        before = case_start()
+        out[case] = run_case(case)
+        case_end(before)
+    return out
 
 
 def legacy_tied_refusal() -> str | None:

@@ -231,13 +231,18 @@ def run_all() -> dict[str, Any]:
     for pattern in NOISE:
         warnings.filterwarnings("ignore", message=pattern)
     import mcore_compat as mc
+    from mcore_compat.launch import destroy_process_groups_since, process_groups
 
     results: dict[str, Any] = {}
     for case in CASES:
+        before = process_groups()
         try:
             results[case.name] = _run_case(case)
         except Exception:
             results[case.name] = {"status": "error", "error": traceback.format_exc()}
             dist.barrier()
+            continue
+        dist.barrier()  # every rank does one barrier per case (a failed one above)
+        destroy_process_groups_since(before)  # the case's Megatron groups: live gloo groups pile up otherwise
     mc.parallel_state.destroy_model_parallel()
     return {"version": str(mc.MCORE_VERSION), "patches": applied, "rank": dist.get_rank(), "cases": results}
