@@ -167,13 +167,13 @@ def test_fix_refuses_a_read_only_file(client: Path, capsys: pytest.CaptureFixtur
 
 
 def test_readme_client_table_and_the_recorded_imports_agree() -> None:
-    """The README's client table (scripts/measure_clients.py) names each client of the data file with as many
+    """The client table of docs/support.md (scripts/measure_clients.py) names each client of the data file with as many
     names as the data file records for it (the script writes both from one scan; no download here)."""
     import re
 
     root = Path(__file__).resolve().parents[1]
     data = json.loads((root / "tests" / "data" / "client_mirror_imports.json").read_text())
-    readme = (root / "README.md").read_text()
+    readme = (root / "docs" / "support.md").read_text()
     block = readme.split("<!-- clients:begin")[1].split("<!-- clients:end -->")[0]
     header = dict(re.findall(r"\| (\S+==\S+) \((\d+) names\)", block))
     assert header == {client: str(len(pairs)) for client, pairs in data.items()}
