@@ -86,7 +86,7 @@ def test_classifies_raw_moved_absent_per_release(client: Path) -> None:
     c = new["counts"]
     assert c["mirror"] == c["raw"] + c["moved"] and c["names"] == c["mirror"] + c["absent"]
     adapters = {n["name"]: n["adapter"] for n in report["names"]}
-    assert adapters["get_megatron_optimizer"].startswith("mcore_compat.get_megatron_optimizer")
+    assert adapters["get_megatron_optimizer"].startswith("mcore_compat.training.get_megatron_optimizer")
     assert adapters["DistributedDataParallelConfig"] == "mcore_compat.ddp_config(**fields)"
     assert adapters["get_tensor_model_parallel_rank"] is None
 
