@@ -159,8 +159,8 @@ def _old_name(path: str) -> object:
 def test_other_removed_names_answer_with_their_old_meaning() -> None:
     from packaging.version import Version
 
-    from mcore_compat._rows import Fact
     from mcore_compat import training
+    from mcore_compat._rows import Fact
     from mcore_compat.binding.manifest import Manifest
     from mcore_compat.selfcheck.oracle import Rule
 
