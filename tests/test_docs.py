@@ -72,3 +72,24 @@ def test_readme_is_a_landing_page_with_working_links() -> None:
     for heading in ("## Quickstart", "## A complete training script", "## Porting your code", "## One naming rule",
                     "## Switching releases", "## The CLI at a glance", "## Documentation"):
         assert heading in README
+
+
+def test_docs_mcore_compat_commands_parse() -> None:
+    """The ``mcore-compat`` commands of docs/'s shell blocks (bare, from a venv, or ``torchrun ... -m
+    mcore_compat``) parse with the real command line."""
+    from mcore_compat.cli import _build
+
+    parser, _ = _build()
+    checked = 0
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for block in _blocks(page.read_text(encoding="utf-8"), "bash"):
+            for line in block.splitlines():
+                line = line.split("  #", 1)[0].strip()
+                for part in line.split("&&"):
+                    argv = shlex.split(part) if part.strip() and not part.lstrip().startswith("#") else []
+                    if argv and argv[0] == "torchrun" and "mcore_compat" in argv:
+                        argv = argv[argv.index("mcore_compat"):]
+                    if argv and (argv[0].endswith("mcore-compat") or argv[0] == "mcore_compat"):
+                        parser.parse_args(argv[1:])  # SystemExit(2) on an unknown subcommand or option
+                        checked += 1
+    assert checked >= 10, checked
