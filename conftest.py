@@ -28,21 +28,25 @@ ROOT = Path(__file__).resolve().parent
 #: The versions.toml tag of the release sessions that run the blocks.
 DOCS_TAG = "docs"
 _REPLY = "\x00mcore-compat-docs-reply\x00"
+#: Seconds one block may take (the worker prints its stacks and exits after that; scripts are killed).
+BLOCK_TIMEOUT = 600
 
 #: The worker: reads one JSON request a line ({"doc", "code", "line"}), runs the code in that page's namespace,
 #: answers with one marked line ({"ok", "error"}); the blocks' own output goes to stderr.
 _WORKER = r"""
-import json, sys, traceback
+import faulthandler, json, sys, traceback
 reply, sys.stdout = sys.stdout, sys.stderr
 spaces = {}
 for request in sys.stdin:
     req = json.loads(request)
     space = spaces.setdefault(req["doc"], {"__name__": "__docs__"})
+    faulthandler.dump_traceback_later(TIMEOUT, exit=True)  # a hung block: its stacks, then the worker exits
     try:
         exec(compile("\n" * (req["line"]) + req["code"], req["doc"], "exec"), space)
         answer = {"ok": True}
     except BaseException:
         answer = {"ok": False, "error": traceback.format_exc()}
+    faulthandler.cancel_dump_traceback_later()
     sys.stderr.flush()
     reply.write(MARK + json.dumps(answer) + "\n")
     reply.flush()
@@ -59,7 +63,8 @@ class _Worker:
 
     def run(self, doc: str, code: str, line: int) -> str | None:
         if self.proc is None:
-            self.proc = subprocess.Popen([sys.executable, "-P", "-c", f"MARK = {_REPLY!r}\n{_WORKER}"],
+            source = f"MARK = {_REPLY!r}\nTIMEOUT = {BLOCK_TIMEOUT}\n{_WORKER}"
+            self.proc = subprocess.Popen([sys.executable, "-P", "-c", source],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                          cwd=self.cwd.name)
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -72,6 +77,7 @@ class _Worker:
                 break
         else:
             answer = {"ok": False, "error": f"the docs worker exited (status {self.proc.wait()})"}
+            self.proc = None  # the next block starts a fresh worker
         if answer["ok"]:
             return None
         self.log.seek(start)
@@ -93,7 +99,7 @@ def _run_script(code: str) -> str | None:
         script = Path(tmp) / "script.py"
         script.write_text(code, encoding="utf-8")
         proc = subprocess.run([sys.executable, "-P", str(script)], capture_output=True, text=True, cwd=tmp,
-                              timeout=600)
+                              timeout=BLOCK_TIMEOUT)
     return None if proc.returncode == 0 else f"exit status {proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}"
 
 

@@ -93,3 +93,24 @@ def test_docs_mcore_compat_commands_parse() -> None:
                         parser.parse_args(argv[1:])  # SystemExit(2) on an unknown subcommand or option
                         checked += 1
     assert checked >= 10, checked
+
+
+def test_the_docs_worker_keeps_a_namespace_per_page_and_reports_failures() -> None:
+    """The root conftest.py's worker: blocks of one page continue each other, pages do not share names, a
+    failing block reports its traceback and output (at the block's line) and the next block still runs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_mcore_compat_docs_conftest", ROOT / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    docs_conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(docs_conftest)
+    worker = docs_conftest._Worker()
+    try:
+        assert worker.run("a.md", "x = 1\nprint('hello')\n", 3) is None
+        assert worker.run("a.md", "assert x == 1\n", 9) is None
+        error = worker.run("b.md", "print('visible')\nx\n", 20)
+        assert error is not None and "NameError" in error and 'File "b.md", line 22' in error, error
+        assert "visible" in error
+        assert worker.run("a.md", "x += 1\nassert x == 2\n", 30) is None
+    finally:
+        worker.close()
