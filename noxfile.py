@@ -4,7 +4,7 @@ Sessions (``nox -l`` lists them):
 
 * ``mcore-<V>``, one per supported release (tags ``cpu``, ``min``/``latest``, ``oldest``/``newest``, ``py311``/
   ``py312``): start-up check, ``pytest tests -m mcore`` against exactly megatron-core ``V``, then the CPU
-  self-check. ``nox -t py311``, ``nox -t latest`` select groups; extra arguments go to pytest
+  self-check (through the CLI in the ``launcher`` sessions, inside pytest's warm ranks in the others). ``nox -t py311``, ``nox -t latest`` select groups; extra arguments go to pytest
   (``nox -s mcore-0.16.1 -- -x``, which skips the self-check).
 * ``unit``: the tests that need no megatron-core (``pytest -m "not mcore"``).
 * ``lint``: ``ruff check .``, ``mypy`` over ``mcore_compat``, ``patches`` and ``ci``, and the public API's

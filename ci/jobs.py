@@ -80,6 +80,10 @@ def run_pytest(env: MatrixEnv, python: str, release: Release | None, marker: str
     run_env["MCORE_COMPAT_FAULT_REPORT"] = str(faults)  # the fault-injection suite writes its score there
     run_env["MCORE_COMPAT_MEGATRON_FAULT_REPORT"] = str(megatron_faults)  # tests/test_megatron_faults.py's score
     run_env["MCORE_COMPAT_TIMING_REPORT"] = str(timing)  # tests/conftest.py: where the session's time went
+    if release is not None:  # tests/test_selfcheck_real.py: the CLI sweep's configurations, run in the warm ranks
+        selfcheck = logs / f"{release.session}.selfcheck.json"
+        selfcheck.unlink(missing_ok=True)
+        run_env["MCORE_COMPAT_SELFCHECK_REPORT"] = str(selfcheck)
     start = time.monotonic()
     code = out.run(argv, env=run_env, check=False, cwd=env.layout.repo)
     result.timing["pytest"] = time.monotonic() - start
@@ -114,21 +118,38 @@ def run_selfcheck(env: MatrixEnv, release: Release, out: Out, result: JobResult)
     code = out.run([env.layout.base_python(release.python), "-P", "-m", "mcore_compat", *SELFCHECK_ARGS, "--json",
                     path], env=env.session_env(release.python, release), check=False, cwd=env.layout.repo)
     result.timing["selfcheck"] = time.monotonic() - start
+    record_selfcheck(path, code, result)
+
+
+def record_selfcheck(path: Path, code: int | None, result: JobResult) -> None:
+    """The self-check reports at ``path`` (``--json``'s list) into ``result.selfcheck``.
+
+    ``code``: the CLI's exit status (non-zero fails the job); ``None``: pytest wrote them (the job fails unless
+    the file is there and every configuration passed; pytest's own verdict counts separately).
+    """
     reports = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
     configs = [{**{k: r["settings"].get(k) for k in _SELFCHECK_KEYS}, "summary": r["summary"]} for r in reports]
     good = sum(bool(r["ok"]) for r in reports)
-    result.selfcheck = {"result": "pass" if code == 0 else "fail", "configurations": configs,
+    passed = (code == 0) if code is not None else bool(reports) and good == len(reports)
+    result.selfcheck = {"result": "pass" if passed else "fail", "configurations": configs,
                         "summary": f"{good}/{len(reports)} configurations pass"}
-    if code != 0:
+    if not passed:
+        why = (f"self-check exited with status {code}" if code is not None else
+               f"the CLI sweep's configurations in pytest: {good}/{len(reports)} passed" if reports else
+               f"pytest wrote no self-check report ({path.name})")
         result.ok = False
         result.errors += 1
-        result.details = "; ".join(filter(None, [result.details, f"self-check exited with status {code}"]))
+        result.details = "; ".join(filter(None, [result.details, why]))
 
 
 def run_release(env: MatrixEnv, release: Release, out: Out, extra: Sequence[str] = ()) -> JobResult:
     """One release: base, limits, wheel, ``.cache/mc/<V>``, mcore-compat, start-up check, pytest, self-check.
 
-    A narrowed run (``extra`` pytest arguments, e.g. ``-k ...``) skips the self-check.
+    The self-check's sweep (:data:`SELFCHECK_ARGS`) runs through ``mcore-compat`` with freshly spawned ranks in the
+    sessions tagged ``launcher`` (the CLI and spawn path: torch and Python, not the release, are under test); the
+    other sessions run the same configurations, built by the CLI's own option handling, inside pytest's warm ranks
+    (``tests/test_selfcheck_real.py``; a fresh interpreter importing torch and Megatron costs 5-14 s of CPU per
+    rank) and record them the same way. A narrowed run (``extra`` pytest arguments, e.g. ``-k ...``) skips it.
     """
 
     def body(result: JobResult) -> None:
@@ -153,8 +174,12 @@ def run_release(env: MatrixEnv, release: Release, out: Out, extra: Sequence[str]
         # Tests marked `launcher` run only in the sessions tagged so in versions.toml (see its header).
         marker = "mcore" if LAUNCHER_TAG in release.tags else f"mcore and not {LAUNCHER_TAG}"
         run_pytest(env, python, release, marker, out, result, extra)
-        if not extra:
+        if extra:
+            return
+        if LAUNCHER_TAG in release.tags:
             run_selfcheck(env, release, out, result)
+        else:  # the same configurations ran inside pytest's warm ranks (tests/test_selfcheck_real.py)
+            record_selfcheck(env.layout.logs / f"{release.session}.selfcheck.json", None, result)
 
     return _timed(release.session, out, body)
 

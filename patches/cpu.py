@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -106,14 +108,46 @@ def _remove_mode(mode: TorchFunctionMode) -> None:
         )
 
 
+#: The cuda_factory mode while the patch is applied (at most one).
+_MODES: list[_CudaToCpu] = []
+
+
 def _apply_cuda_factory() -> Undo:
     mode = _CudaToCpu()
     mode.__enter__()
-    return lambda: _remove_mode(mode)
+    _MODES.append(mode)
+
+    def undo() -> None:
+        _MODES.remove(mode)
+        _remove_mode(mode)
+
+    return undo
+
+
+@contextmanager
+def cuda_factory_set_aside() -> Iterator[None]:
+    """Take the cuda_factory mode off this thread's torch-function-mode stack while the block runs, and put it back.
+
+    A TorchFunctionMode sends EVERY torch call of its thread through Python (about 5 us each), whether or not it
+    asks for a device. mcore_compat's own tensor math (the self-check's comparisons, fingerprints and oracle, the
+    offload bookkeeping) never names a CUDA device - it allocates on the devices of the tensors it reads - so it
+    runs without the mode (:func:`mcore_compat._own_math.own_tensor_math`); Megatron's code keeps it. A no-op
+    when the mode is not applied or is not the innermost mode of this thread (another mode entered above it).
+    """
+    n = torch._C._len_torch_function_stack()
+    if not _MODES or n == 0 or torch._C._get_function_stack_at(n - 1) is not _MODES[-1]:
+        yield
+        return
+    mode = torch._C._pop_torch_function_stack()
+    try:
+        yield
+    finally:
+        torch._C._push_on_torch_function_stack(mode)
 
 
 def _check_cuda_factory() -> str | None:
-    for name in ("_len_torch_function_stack", "_pop_torch_function_stack", "_push_on_torch_function_stack"):
+    for name in ("_len_torch_function_stack", "_pop_torch_function_stack", "_push_on_torch_function_stack",
+                 "_get_function_stack_at"):
         if not hasattr(torch._C, name):
             return f"this torch ({torch.__version__}) lacks torch._C.{name}, needed to undo the mode exactly"
     return None

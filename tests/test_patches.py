@@ -174,6 +174,41 @@ def test_cuda_factory_revert_keeps_other_modes() -> None:
 
 
 @pytest.mark.unit
+def test_own_tensor_math_sets_the_cuda_factory_mode_aside_and_puts_it_back() -> None:
+    """mcore_compat's own tensor math runs without the mode (no per-call Python dispatch); Megatron's code keeps
+    it. Set aside only when the mode is this thread's innermost one; restored on exceptions; no-op unapplied."""
+    from torch.overrides import TorchFunctionMode
+
+    from mcore_compat._own_math import own_tensor_math
+
+    @own_tensor_math
+    def depth() -> int:
+        return torch._C._len_torch_function_stack()
+
+    @own_tensor_math
+    def fails() -> None:
+        raise ValueError("inside")
+
+    assert depth() == 0  # not applied: nothing to set aside
+    patches.apply("cuda_factory", version="0.16.1")
+    try:
+        assert depth() == 0 and torch._C._len_torch_function_stack() == 1
+        with pytest.raises(ValueError):
+            fails()
+        assert torch._C._len_torch_function_stack() == 1
+        assert torch.zeros(1, device="cuda").device.type == "cpu"  # the mode is back and works
+
+        class Other(TorchFunctionMode):
+            pass
+
+        with Other():  # another mode above ours: left alone (the block sees both)
+            assert depth() == 2
+    finally:
+        patches.revert("cuda_factory")
+    assert torch._C._len_torch_function_stack() == 0
+
+
+@pytest.mark.unit
 def test_rng_apply_revert_and_semantics() -> None:
     before = _snapshot()
     patches.apply("rng", version="0.16.1")

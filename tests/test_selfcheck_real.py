@@ -2,9 +2,11 @@
 
 * the clean configurations PASS in fp32 and in bf16 at a typical RL learning rate (1e-6) and at 1e-2, with
   weight decay on (no decay for biases and norms) and clipping active;
-* every injected fault, acted where the real bug would act, FAILS naming the right check, in fp32 and bf16, on
-  every release where the fault can exist; the verdicts are written to ``$MCORE_COMPAT_FAULT_REPORT`` (when
-  set) for the matrix's fault-detection score;
+* every injected fault, acted where the real bug would act, FAILS naming the right check on every release where
+  the fault can exist: in bf16 (the RL setting, and the looser gradient tolerance), and in fp32 too where the
+  param dtype changes the code the fault acts in (the optimizer class: fp32 params are their own main params;
+  the update rule's resolution); the verdicts are written to ``$MCORE_COMPAT_FAULT_REPORT`` (when set) for the
+  matrix's fault-detection score;
 * ``check_training_step`` on the caller's own model passes clean and catches the faults a bug inside the
   optimizer step causes, with and without its reference copy.
 """
@@ -46,38 +48,47 @@ class Fault:
 
 _GRADS = frozenset({"grads_match_reference"})
 _RULE = frozenset({"update_matches_optimizer_rule"})
+#: Faults whose mechanism does not depend on the param dtype (a hook not installed, a param group's settings, a
+#: rank perturbed, a binding broken, the gradients off by a factor or a sign) run in bf16 only: there the gradient
+#: tolerance is the loosest (0.1 relative against 1e-5 in fp32), so a fault caught in bf16 is caught in fp32 by the
+#: same check. Faults acting in the optimizer or its buffers (rebinds, a group not stepped, the update rule) and
+#: one gradient fault (the fp32 tolerance path) run in both dtypes: fp32 params take another optimizer class.
+_BF16 = ("bf16",)
 FAULT_CASES: dict[str, Fault] = {
     "rebind_after_optimizer": Fault(dict(distributed_optimizer=True), frozenset({"params_in_ddp_buffer"}),
                                     frozenset({"model_params_match_main", "replicas_identical"}), ">=0.6"),
     "rebind_before_optimizer": Fault(dict(distributed_optimizer=True), frozenset({"params_in_ddp_buffer"}),
                                      frozenset({"model_params_match_main", "replicas_identical"}), ">=0.6"),
-    "no_finalize_hook": Fault(dict(distributed_optimizer=False), frozenset({"training_hooks_installed"}), _GRADS),
+    "no_finalize_hook": Fault(dict(distributed_optimizer=False), frozenset({"training_hooks_installed"}), _GRADS,
+                              dtypes=_BF16),
     # without the hook the norms' gradients of each sequence shard are never summed over TP (DP=1: nothing else
     # would show it) and the tied embedding never gets the output layer's gradient (and vice versa)
     "no_finalize_hook-tp2-sp": Fault(dict(tp=2, sequence_parallel=True), frozenset({"training_hooks_installed"}),
-                                     _GRADS, fault="no_finalize_hook"),
+                                     _GRADS, fault="no_finalize_hook", dtypes=_BF16),
     "no_finalize_hook-pp2-tied": Fault(dict(pp=2, tie_embeddings=True), frozenset({"training_hooks_installed"}),
-                                       _GRADS, fault="no_finalize_hook"),
-    "lr_zero": Fault(dict(distributed_optimizer=False), frozenset({"all_params_changed"})),
+                                       _GRADS, fault="no_finalize_hook", dtypes=_BF16),
+    "lr_zero": Fault(dict(distributed_optimizer=False), frozenset({"all_params_changed"}), dtypes=_BF16),
     "perturb_dp_rank": Fault(dict(distributed_optimizer=False), frozenset({"replicas_identical"}),
-                             frozenset({"state_unchanged_between_steps"})),
+                             frozenset({"state_unchanged_between_steps"}), dtypes=_BF16),
     "rebind_after_bind": Fault(dict(distributed_optimizer=True), frozenset({"binding_verified"}),
-                               frozenset({"bound_buffer_current", "model_params_match_main"})),
-    "negate_norm_grads": Fault(dict(distributed_optimizer=True), outcome=_GRADS),
+                               frozenset({"bound_buffer_current", "model_params_match_main"}), dtypes=_BF16),
+    "negate_norm_grads": Fault(dict(distributed_optimizer=True), outcome=_GRADS, dtypes=_BF16),
     "scale_grads": Fault(dict(distributed_optimizer=False), outcome=_GRADS),
-    "unreduced_dp_rank": Fault(dict(distributed_optimizer=True), outcome=_GRADS),
-    "decay_no_decay_params": Fault(dict(distributed_optimizer=True), frozenset({"param_groups_as_configured"})),
-    "wrong_group_lr": Fault(dict(distributed_optimizer=False), frozenset({"param_groups_as_configured"})),
+    "unreduced_dp_rank": Fault(dict(distributed_optimizer=True), outcome=_GRADS, dtypes=_BF16),
+    "decay_no_decay_params": Fault(dict(distributed_optimizer=True), frozenset({"param_groups_as_configured"}),
+                                   dtypes=_BF16),
+    "wrong_group_lr": Fault(dict(distributed_optimizer=False), frozenset({"param_groups_as_configured"}),
+                            dtypes=_BF16),
     "group_not_stepped": Fault(dict(distributed_optimizer=True), frozenset({"optimizer_covers_params"}),
                                frozenset({"update_matches_optimizer_rule", "all_params_changed"})),
-    "loss_not_averaged": Fault(dict(distributed_optimizer=False), outcome=_GRADS),
+    "loss_not_averaged": Fault(dict(distributed_optimizer=False), outcome=_GRADS, dtypes=_BF16),
     # inside the torch optimizer's step, after every structural check: the rule's hyper-parameters come from the
     # configuration, so the update itself is off (0.4/0.5: mcore_compat's optimizer, the same torch AdamW)
     "maximize_in_step": Fault(dict(distributed_optimizer=True), _RULE),
     "swap_betas_in_step": Fault(dict(distributed_optimizer=False), _RULE),
     "decay_no_decay_in_step": Fault(dict(distributed_optimizer=True), _RULE),
     "stale_binding": Fault(dict(distributed_optimizer=False), frozenset({"binding_verified"}),
-                           frozenset({"bound_buffer_current"})),
+                           frozenset({"bound_buffer_current"}), dtypes=_BF16),
     # a TP partition stride recorded wrong at bind time: gather_full puts the shards in the wrong places (bf16
     # only: the bytes moved do not depend on the dtype)
     "gather_full_wrong_stride": Fault(dict(tp=2, distributed_optimizer=True, bind=True),
@@ -142,10 +153,22 @@ def test_every_fault_has_a_case() -> None:
     assert {_fault(c) for c in FAULT_CASES} == set(FAULTS)
 
 
+#: The command line of the matrix's CLI self-check (``ci/jobs.py``); sessions not tagged ``launcher`` run its
+#: configurations here, in the warm ranks, instead of through ``mcore-compat`` with freshly spawned ranks.
+CLI_SWEEP_ARGS = ("--nproc", "2", "--sweep", "--device", "cpu", "--bind")
+
+
+def _cli_sweep() -> dict[str, SelfCheckOptions]:
+    from mcore_compat.cli.selfcheck import _sweep_configs_for
+
+    return {f"cli-{c.label()}": c for c in _sweep_configs_for(CLI_SWEEP_ARGS)}
+
+
 @pytest.fixture(scope="module")
 def sweep(rank_group: Group) -> dict[str, Report]:
     common = dict(model="gpt", steps=2)
     configs = {name: replace(c, **common) for name, c in _clean().items()}
+    configs.update(_cli_sweep())
     if _coupled_unsupported() is None:
         configs.update({name: replace(c, **common) for name, c in COUPLED.items()})
     for name, case in FAULT_CASES.items():
@@ -159,7 +182,22 @@ def sweep(rank_group: Group) -> dict[str, Report]:
     reports = run_sweep(list(configs.values()), 2, device="cpu", timeout=1800, group=rank_group)
     out = dict(zip(configs, reports, strict=True))
     _write_fault_report(out)
+    target = os.environ.get("MCORE_COMPAT_SELFCHECK_REPORT")
+    if target:  # what `mcore-compat self-check ... --json` writes, for the matrix's record of this release
+        with open(target, "w", encoding="utf-8") as fh:
+            json.dump([json.loads(out[n].to_json()) for n in _cli_sweep()], fh, indent=2)
     return out
+
+
+def test_the_cli_sweep_passes(sweep: dict[str, Report]) -> None:
+    """The configurations of the matrix's CLI self-check (fp32, the CLI's defaults, bound, two offload cycles),
+    built by the CLI's own option handling, pass on this release."""
+    names = list(_cli_sweep())
+    assert len(names) >= 3, names
+    for name in names:
+        report = sweep[name]
+        assert report.ok, report.render()
+        assert report.settings["dtype"] == "fp32" and report.settings["bind"], report.settings
 
 
 def _caught(name: str, report: Report) -> bool:

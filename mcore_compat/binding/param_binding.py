@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .._own_math import own_tensor_math
 from ..layout import ModelLayout
 from ..layout.read import unwrap
 from .errors import BindingError
@@ -241,6 +242,7 @@ class ParamBinding:
         return flats
 
 
+@own_tensor_math
 def place_problem(slot: Slot, param: torch.Tensor, flat: torch.Tensor,
                   by_place: Mapping[tuple[int, int], str]) -> str | None:
     """What is wrong with where ``param``'s storage lives, for the binding slot ``slot`` (``None``: nothing).

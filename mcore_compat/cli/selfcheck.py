@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -217,16 +218,33 @@ def _sweep_conflicts(args: argparse.Namespace) -> str | None:
     return f"--sweep runs its own configurations; drop {', '.join(given)} or drop --sweep" if given else None
 
 
+def _sweep_configs(args: argparse.Namespace, opts: Any) -> tuple[list[Any], list[tuple[str, str]]]:
+    """The configurations ``--sweep`` runs with these arguments, and those it skips on this release (with why)."""
+    from ..selfcheck import standard_sweep
+
+    common = {k: v for k, v in opts.as_dict().items() if k not in ("nproc", *_CONFIG_FLAGS, "timeout")}
+    common["offload_cycles"] = 2 if args.offload_cycles is None else args.offload_cycles
+    configs, skipped = standard_sweep(args.nproc or 2, with_skipped=True, **common)
+    return list(configs), list(skipped)
+
+
+def _sweep_configs_for(argv: Sequence[str]) -> list[Any]:
+    """The configurations ``mcore-compat self-check <argv>`` (with ``--sweep``) runs on the installed release, built
+    by the CLI's own parser and option handling (the test matrix runs them in its warm ranks)."""
+    from . import build_parser
+
+    args = build_parser().parse_args(["self-check", *argv])
+    return _sweep_configs(args, _options(args))[0]
+
+
 def _sweep(args: argparse.Namespace, opts: Any) -> int:
     import json
 
-    from ..selfcheck import UsageError, run_sweep, standard_sweep
+    from ..selfcheck import UsageError, run_sweep
 
     nproc = args.nproc or 2
-    common = {k: v for k, v in opts.as_dict().items() if k not in ("nproc", *_CONFIG_FLAGS, "timeout")}
-    common["offload_cycles"] = 2 if args.offload_cycles is None else args.offload_cycles
     try:
-        configs, skipped = standard_sweep(nproc, with_skipped=True, **common)
+        configs, skipped = _sweep_configs(args, opts)
         reports = run_sweep(configs, nproc, device=args.device, timeout=args.timeout) if configs else []
     except UsageError as exc:
         _error(str(exc))

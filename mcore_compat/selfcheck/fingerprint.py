@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._own_math import own_tensor_math
+
 __all__ = ["Fingerprint", "changed", "fingerprint", "fingerprints"]
 
 #: elements per block of the integer sums (bounds the int64 temporaries)
@@ -53,6 +55,7 @@ def fingerprint(t: Any) -> Fingerprint:
 _SMALL = 1 << 18
 
 
+@own_tensor_math
 def fingerprints(items: list[Any]) -> list[Fingerprint]:
     """``[fingerprint(x) for x in items]`` (the same values), small tensors summed together."""
     import torch
@@ -95,6 +98,7 @@ def _weights(device: Any, n: int) -> Any:
     return w[:n]
 
 
+@own_tensor_math
 def changed(pairs: list[tuple[Fingerprint, Fingerprint]]) -> list[bool]:
     """For each pair of fingerprints: do they differ (one host sync per device for all pairs)?"""
     import torch

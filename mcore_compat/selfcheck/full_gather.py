@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .._own_math import own_tensor_math
 from .report import Check
 
 __all__ = ["NAME", "gather_full_check", "inject_wrong_stride"]
@@ -55,6 +56,7 @@ def _reference(chunks: list[Any], tp_rank: int, etp_rank: int) -> dict[str, Any]
     return full
 
 
+@own_tensor_math
 def gather_full_check(binding: Any, chunks: list[Any]) -> Check:
     """The check on every rank (collective: every rank calls it)."""
     import torch

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._own_math import own_tensor_math
 from ..errors import McoreCompatError
 from . import models, plain_gpt
 from .options import SelfCheckOptions
@@ -237,6 +238,7 @@ class IndependentReference:
         return {k: t.grad for k, t in w.items()}, losses
 
     # --------------------------------------------------------------------------------------------- per step
+    @own_tensor_math
     def step(self, stored: Sequence[Any], loss_scale: float = 1.0) -> None:
         """After ``forward_backward`` (before the optimizer step): compare this step (collective)."""
         if self.reason is not None:
@@ -289,6 +291,7 @@ class IndependentReference:
             self.failures.append(what)
 
     # --------------------------------------------------------------------------------------------- verdict
+    @own_tensor_math
     def check(self) -> Check:
         """This rank's verdict; the worst ratios are those of every rank (collective)."""
         import torch.distributed as dist

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .._own_math import own_tensor_math
 from .reference import ceil_log2, unwrap_ddp
 
 __all__ = ["ReplicaResult", "compare_replicas", "digest", "global_grad_norm"]
@@ -20,6 +21,7 @@ _BLOCK = 1 << 22
 _INT_OF_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 
 
+@own_tensor_math
 def digest(tensor: Any) -> Any:
     """``[sum of bits, sum of bits * position]`` of ``tensor``'s elements as int64 (wrapping), on its device."""
     import torch
@@ -87,6 +89,7 @@ def compare_replicas(groups: Any, names: dict[Any, str], chunks: Sequence[Any], 
     return result
 
 
+@own_tensor_math
 def global_grad_norm(view: Any, grads: dict[int, Any], groups: Any, chunks: Sequence[Any], loss_scale: float
                      ) -> tuple[float, float]:
     """The global norm of the finalized gradients ``grads`` (``{id(main param): gradient part}``), each element

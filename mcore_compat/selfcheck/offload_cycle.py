@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._own_math import own_tensor_math
 from .report import Check
 
 __all__ = ["OffloadCycles"]
@@ -138,6 +139,7 @@ class OffloadCycles:
             gaps[i % max(steps - 1, 1)] += 1
         return gaps
 
+    @own_tensor_math
     def run(self, count: int) -> None:
         """Run ``count`` cycles now (between two steps, no communication in flight)."""
         from .. import lifecycle

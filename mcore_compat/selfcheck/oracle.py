@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._deprecated import warn_deprecated_name
+from .._own_math import own_tensor_math
 
 __all__ = ["BOUND_TEXT", "Rule", "expected_step", "rule_of"]
 
@@ -76,6 +77,7 @@ def rule_of(inner: Any) -> Rule | str:
     return f"{type(inner).__module__}.{name}"
 
 
+@own_tensor_math
 def expected_step(rule: Rule, h: dict[str, Any], p0: Any, grad: Any, state0: dict[str, Any]
                   ) -> tuple[Any, dict[str, Any], Any]:
     """The rule applied exactly (float64) to ``p0``, the gradient and the state before the step.

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._own_math import own_tensor_math
 from . import rng_replay
 from .rng_replay import RngReplay
 
@@ -239,6 +240,7 @@ class PlainReference:
         return out
 
     # -------------------------------------------------------------------------------------------- reductions
+    @own_tensor_math
     def _reduce(self, acc: dict[Any, Any], mag: dict[Any, Any], terms: dict[Any, int], per_token: list[Any]
                 ) -> None:
         import torch
@@ -281,6 +283,7 @@ class PlainReference:
                     mag[p].mul_(1.0 / float(total))
 
 
+@own_tensor_math
 def _all_reduce_coalesced(tensors: list[Any], group: Any) -> None:
     """Sum ``tensors`` over ``group``, one collective per dtype (element-wise the same sums as one by one)."""
     import torch

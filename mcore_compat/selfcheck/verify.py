@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._optimizer_view import MainParam, optimizer_view
+from .._own_math import own_tensor_math
 from .configured import Configured, from_optimizer
 from .fingerprint import Fingerprint, changed, fingerprints
 from .groups import Groups
@@ -260,6 +261,7 @@ class StepVerifier:
         self._setup_checks: list[Check] = self._coverage()
 
     # ------------------------------------------------------------------------------------------- set-up
+    @own_tensor_math
     def _coverage(self) -> list[Check]:
         """``optimizer_covers_params`` and the main params' starting values (equal to the model's)."""
         import torch
@@ -311,6 +313,7 @@ class StepVerifier:
         forward, for the reference to replay (the same dropout masks)."""
         return self.rng.recording(forward_step_func)
 
+    @own_tensor_math
     def before_step(self) -> None:
         """Prove nothing changed main params, state or model params since the last step (fingerprints), keep the
         param groups' hyper-parameters and fingerprint the main params and state (the values themselves are
@@ -329,6 +332,7 @@ class StepVerifier:
         self._entry = self._prints()
         self.rng.start_step()
 
+    @own_tensor_math
     def _prints(self, model: bool = False) -> dict[int, list[Fingerprint]]:
         """Per main param: fingerprints of its main param and optimizer state (and, with ``model``, its model
         param), all taken together (:func:`.fingerprint.fingerprints`)."""
@@ -346,6 +350,7 @@ class StepVerifier:
         prints = fingerprints(items)
         return {k: prints[lo:hi] for k, lo, hi in spans}
 
+    @own_tensor_math
     def _moved(self, before: dict[int, list[Fingerprint]], model: bool = False) -> list[bool]:
         """Per main param (in view order): do its fingerprints now differ from ``before``'s?"""
         now_all = self._prints(model)
@@ -376,6 +381,12 @@ class StepVerifier:
             self._compare_losses(ref, losses)
             del ref
         del live
+        self._snapshot(grad_prints)
+
+    @own_tensor_math
+    def _snapshot(self, grad_prints: dict[int, Fingerprint]) -> None:
+        """What the update check needs, taken after the reference ran (main params and state proven unchanged by
+        the forward and backward; the finalized gradients proven unchanged by the reference run)."""
         for mp, moved in zip(self.view, self._moved(self._entry), strict=True):
             if moved:
                 self.tally["update"].fail(f"step {self.step_index}: {mp.name}: main param or optimizer state "
@@ -401,6 +412,7 @@ class StepVerifier:
                 self.tally["grads"].fail(f"step {self.step_index}: {name}: the finalized gradient changed while the "
                                          f"reference ran")
 
+    @own_tensor_math
     def after_step(self, update_successful: bool, grad_norm: float | None) -> None:
         """After ``optimizer_step``: the rule, the model params, the first step's changes."""
         self._check_norm(grad_norm)
@@ -413,11 +425,13 @@ class StepVerifier:
             self._after = self._prints(model=True)
         self.step_index += 1
 
+    @own_tensor_math
     def final_replicas(self) -> None:
         """Check the replicas once more (call when the last step's params are in place on every rank)."""
         self._replicas(f"after step {self.step_index - 1}")
 
     # ------------------------------------------------------------------------------------------- pieces
+    @own_tensor_math
     def _compare_grads(self, ref: GradReference, live: dict[int, Any]) -> None:
         """Every finalized gradient element against the reference's within its bound, in blocks; each reference
         gradient and bound is dropped as soon as the last main param that reads it is compared."""
@@ -470,6 +484,7 @@ class StepVerifier:
                 ref.grads.pop(mp.model, None)
                 ref.bounds.pop(mp.model, None)
 
+    @own_tensor_math
     def _compare_losses(self, ref: GradReference, losses: Sequence[Any]) -> None:
         t = self.tally["loss"]
         if not ref.losses or not losses:
@@ -654,6 +669,7 @@ class StepVerifier:
         for n in unchanged:
             t.fail(n)
 
+    @own_tensor_math
     def _replicas(self, when: str) -> None:
         """Every replicated param bit-identical over its group (collective)."""
         result = compare_replicas(self.groups, self.names, self.chunks, when)
@@ -665,6 +681,7 @@ class StepVerifier:
             t.fail(failure)
 
     # ------------------------------------------------------------------------------------------- verdicts
+    @own_tensor_math
     def checks(self) -> list[Check]:
         """The verdicts of this rank (merge over ranks with :func:`~.report.merge_rank_checks`)."""
         out = list(self._setup_checks)

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from .._optimizer_view import optimizer_view
+from .._own_math import own_tensor_math
 from . import models
 from .configured import from_options
 from .full_gather import gather_full_check, inject_wrong_stride
@@ -123,6 +124,7 @@ def _bind(chunks: list[Any], checks: list[Check]) -> Any:
         return None
 
 
+@own_tensor_math
 def _binding_checks(binding: Any, chunks: list[Any]) -> list[Check]:
     """After the steps: the binding still verifies, and its flat-buffer views equal the model's weights."""
     import torch
@@ -148,6 +150,7 @@ def _binding_checks(binding: Any, chunks: list[Any]) -> list[Check]:
     return [verified, current]
 
 
+@own_tensor_math
 def _pipeline_gather_check(binding: Any, ps: Any) -> Check:
     """``gather_pipeline`` equals every stage's own weights (exchanged tensor by tensor as the reference)."""
     import torch

@@ -22,12 +22,14 @@ latest tested patch of each minor. A version that is not listed (a release candi
 release) is looked up by `mcore-compat doctor`, which names the nearest tested releases.
 
 **CPU**: the release's nox session (pytest counts) and its `mcore-compat self-check --nproc 2 --sweep --bind`
-(the standard configurations the release can run: DP=2 with the distributed optimizer on and off, TP=2 with
+(run through the CLI with freshly spawned ranks in the sessions tagged `launcher`, in the others the same
+configurations built by the CLI's option handling inside the suite's warm ranks; the standard configurations the release can run: DP=2 with the distributed optimizer on and off, TP=2 with
 sequence parallelism, the same with dropout 0.1, PP=2 with tied embeddings and linear biases, PP=2 with
 virtual stages, overlapped DP, MoE with expert parallelism; each with two offload/reload cycles between its
 first two steps), on gloo. **Faults caught**: the
 fault-injection suite (`tests/test_selfcheck_real.py`), every fault that can exist on the release injected where
-the real bug acts, in fp32 and bf16 (the offload faults in bf16); a fault counts as caught when the self-check
+the real bug acts, in bf16 and, where the param dtype changes the code it acts in (the optimizer and its
+buffers, the update rule, the fp32 gradient tolerance), in fp32 too; a fault counts as caught when the self-check
 FAILS naming the right check (and the clean configurations PASS). **Megatron faults caught/acting**: faults
 injected inside Megatron-Core itself (`tests/test_megatron_faults.py`: a Megatron function replaced in the ranks,
 e.g. DDP's gradient reduction, the param all-gather, unscaling, the grad norm, clipping, the optimizer step, the
@@ -127,7 +129,8 @@ table at the end of every run). **prepare**: base check, release tree, mcore-com
 whole test run, of which **collect** is collection, **rank starts** the groups of ranks the suite started
 (forked from one warm fork server that imported torch, the CPU patches and Megatron once: see
 `mcore_compat.launch.Group(warm=...)`) and **subprocesses** the fresh interpreters the tests ran (CLI, doctor,
-patches that must precede Megatron's import); **self-check**: the CLI sweep as a user runs it (fresh processes).
+patches that must precede Megatron's import); **self-check**: the CLI sweep as a user runs it (fresh processes;
+the `launcher` sessions only, the others run its configurations inside pytest).
 """
 
 
