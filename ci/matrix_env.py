@@ -51,10 +51,14 @@ else:  # pragma: no cover - nox on Python 3.10
 
 #: Test tools installed into every base, on top of its ``[base."3.x"].requirements`` (libcst: the tests of
 #: ``mcore-compat scan --fix``, the ``scan`` extra).
-TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3", "libcst==1.8.6")
+TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3", "libcst==1.8.6", "sybil==9.1.0")
 #: The Python that runs ``unit`` and ``lint``; its base also gets :data:`LINT_TOOLS`.
 TOOLS_PYTHON = "3.11"
 LINT_TOOLS = ("ruff==0.17.6", "mypy==2.4.0", "griffe==2.4.1")
+#: The documentation site's tools (``nox -s docs``, a small venv of its own: mkdocstrings reads the source
+#: statically, so neither torch nor mcore-compat is installed there).
+DOCS_TOOLS = ("mkdocs==1.6.1", "mkdocs-material==9.6.14", "mkdocstrings==1.0.8", "mkdocstrings-python==2.0.11",
+              "griffe==2.4.1")
 #: Distributions whose versions are checked against each release's limits.
 LIMITED_DISTS = ("torch", "numpy", "setuptools")
 #: Environment variables a test run must not inherit.

@@ -22,8 +22,11 @@ from ci.results import TIMING_HEADER, JobResult, counts_text, cpu_record, summar
 #: A job body: given its output, it returns its result.
 Body = Callable[[Out], JobResult]
 #: Expected costs relative to a release session (:attr:`Job.weight`): a session that also runs the launcher tests
-#: takes about 15% longer; unit and lint take a fraction of one.
-_LAUNCHER_WEIGHT, _UNIT_WEIGHT, _LINT_WEIGHT = 1.15, 0.5, 0.2
+#: takes about 15% longer, one that also runs the README and docs/ blocks (tag ``docs``: about 45 s of one core,
+#: measured on 0.16.1 and 0.19.2) about 15% more; unit and lint take a fraction of one.
+_LAUNCHER_WEIGHT, _DOCS_EXTRA_WEIGHT, _UNIT_WEIGHT, _LINT_WEIGHT = 1.15, 0.15, 0.5, 0.2
+#: The versions.toml tag of the sessions that also run the README and docs/ blocks (the root conftest.py).
+_DOCS_TAG = "docs"
 
 
 @dataclass(frozen=True)
@@ -189,7 +192,8 @@ def run_matrix(env: MatrixEnv, args: Sequence[str], log: Callable[[str], None]) 
     jobs = [Job("unit", env.tools_python, functools.partial(run_unit, env), weight=_UNIT_WEIGHT),
             Job("lint", env.tools_python, functools.partial(run_lint, env), weight=_LINT_WEIGHT)]
     jobs += [Job(r.session, r.python, functools.partial(run_release, env, r),
-                 weight=_LAUNCHER_WEIGHT if LAUNCHER_TAG in r.tags else 1.0) for r in releases]
+                 weight=(_LAUNCHER_WEIGHT if LAUNCHER_TAG in r.tags else 1.0)
+                 + (_DOCS_EXTRA_WEIGHT if _DOCS_TAG in r.tags else 0.0)) for r in releases]
     pythons = sorted({j.python for j in jobs})
     log(f"matrix: unit, lint and {len(releases)} releases on Python {', '.join(pythons)}, {opts.jobs} at a time; "
         f"logs in {env.layout.logs}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._deprecated import DEPRECATED_TOP_LEVEL, warn_deprecated_name
 from ._version import __version__
 from .capabilities import capabilities, fact, has
 from .detect import MegatronInfo, detect, refresh
@@ -125,6 +126,9 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY_ATTRS:
         mod, attr = _LAZY_ATTRS[name]
         value = getattr(importlib.import_module(mod), attr)
+        if name in DEPRECATED_TOP_LEVEL:  # an adapter under a Megatron name: warn (once) on every access
+            warn_deprecated_name(f"mcore_compat.{name}")
+            return value
         globals()[name] = value
         return value
     if name in symbol_names():

@@ -30,7 +30,8 @@ from typing import Any, TypeVar
 
 from .errors import InvalidArgumentError
 
-__all__ = ["DEPRECATED_FLAGS", "DEPRECATED_NAMES", "DEPRECATED_PARAMS", "DeprecatedFlag", "renamed_params",
+__all__ = ["DEPRECATED_FLAGS", "DEPRECATED_NAMES", "DEPRECATED_PARAMS", "DEPRECATED_TOP_LEVEL", "DeprecatedFlag",
+           "renamed_params",
            "warn_deprecated", "warn_deprecated_name"]
 
 #: When the capability names were removed (the fact table of 2026-12-01) and answered again.
@@ -140,7 +141,16 @@ DEPRECATED_NAMES: dict[str, str] = {
     "mcore_compat.binding.manifest.Manifest.format": "Manifest.format_version",
     "mcore_compat.selfcheck.oracle.unsupported_group": "the self-check's configured rule "
                                                        "(mcore_compat.selfcheck.configured)",
+    # The naming rule (README "One naming rule"): `mc.<Megatron name>` is Megatron's own object, adapters live in
+    # mcore_compat.training. These top-level names were adapters under a Megatron name; they keep that meaning.
+    "mcore_compat.get_megatron_optimizer": "mcore_compat.training.get_megatron_optimizer (the adapter, the same "
+                                           "object); Megatron's own is mcore_compat.get_megatron_optimizer_raw or "
+                                           "mcore_compat.core.optimizer.get_megatron_optimizer",
 }
+
+#: Top-level names of ``mcore_compat`` that are deprecated aliases (keys of :data:`DEPRECATED_NAMES` under
+#: ``mcore_compat.``), answered by ``mcore_compat.__getattr__`` with one warning per process.
+DEPRECATED_TOP_LEVEL: tuple[str, ...] = ("get_megatron_optimizer",)
 
 #: Parameters removed or renamed since then and accepted again: ``{"module.function(param)": what to pass
 #: instead}``; where that is the new parameter's name, decorating the function with :func:`renamed_params`

@@ -59,7 +59,7 @@ _ROWS: tuple[S, ...] = (
     S("RowParallelLinear", (L(_ALL, "megatron.core.tensor_parallel.layers", "RowParallelLinear"),),
       "row-parallel linear layer"),
     S("get_megatron_optimizer_raw", (L(">=0.6", "megatron.core.optimizer", "get_megatron_optimizer"),),
-      "Megatron's own get_megatron_optimizer (signature drifts; prefer mcore_compat.get_megatron_optimizer)",
+      "Megatron's own get_megatron_optimizer (signature drifts; prefer the adapter mcore_compat.training.get_megatron_optimizer)",
       needs="apex in 0.6-0.7 (or patches.apply_for('apex_less'))"),
     S("MegatronOptimizer", (L(">=0.6", "megatron.core.optimizer.optimizer", "MegatronOptimizer"),),
       "optimizer base class", needs="apex in 0.6-0.7 (or patches.apply_for('apex_less'))"),

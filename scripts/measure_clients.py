@@ -1,15 +1,15 @@
-"""Measure ``mcore-compat scan`` on real clients and record the numbers in README.md.
+"""Measure ``mcore-compat scan`` on real clients and record the numbers in docs/support.md.
 
 Downloads four released clients (``pip download --no-deps``, cached under ``.cache/clients``; nothing vendored),
 runs ``mcore-compat scan --json`` on each for every supported release, and writes per client and release: the
 ``megatron.core`` names it uses, how many import raw as written, how many the mirror ``mcore_compat.core`` reaches
-(raw + moved), how many moved, how many are absent. The table goes into README.md between the ``clients`` markers.
+(raw + moved), how many moved, how many are absent. The table goes into docs/support.md between the ``clients`` markers.
 Then it applies ``scan --fix`` to a copy of each client and records the mirror imports of the fixed copy and the
 mirror paths of every name the scan read, attribute uses included (``tests/data/client_mirror_imports.json``), which ``tests/test_client_imports_real.py`` imports in every release
 session.
 
-    python scripts/measure_clients.py           # download (once), scan, write README.md and the data file
-    python scripts/measure_clients.py --check   # exit 1 if README.md or the data file differ from a new run
+    python scripts/measure_clients.py           # download (once), scan, write docs/support.md and the data file
+    python scripts/measure_clients.py --check   # exit 1 if docs/support.md or the data file differ from a new run
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache" / "clients"
-README = ROOT / "README.md"
+README = ROOT / "docs" / "support.md"
 DATA = ROOT / "tests" / "data" / "client_mirror_imports.json"
 #: The clients measured: (distribution==version, the top-level package read).
 CLIENTS = (("verl==0.9.1", "verl"), ("ms-swift==4.6.0", "swift"), ("mbridge==0.15.1", "mbridge"),
@@ -120,7 +120,7 @@ def table(reports: dict[str, dict]) -> str:
 
 def render_readme(text: str, block: str) -> str:
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"measure_clients: README.md lacks the markers {BEGIN!r} ... {END!r}")
+        raise SystemExit(f"measure_clients: docs/support.md lacks the markers {BEGIN!r} ... {END!r}")
     head, _, rest = text.partition(BEGIN)
     _, _, tail = rest.partition(END)
     return head + block + tail
@@ -128,7 +128,7 @@ def render_readme(text: str, block: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if README.md or the data file is stale")
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/support.md or the data file is stale")
     args = parser.parse_args(argv)
     reports, imports = measure()
     readme = render_readme(README.read_text(), table(reports))
@@ -139,11 +139,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"measure_clients: stale: {', '.join(stale)} (run python scripts/measure_clients.py)",
                   file=sys.stderr)
             return 1
-        print("measure_clients: README.md and the data file are current")
+        print("measure_clients: docs/support.md and the data file are current")
         return 0
     README.write_text(readme)
     DATA.write_text(data)
-    print(f"measure_clients: wrote README.md and {DATA.relative_to(ROOT)}")
+    print(f"measure_clients: wrote docs/support.md and {DATA.relative_to(ROOT)}")
     return 0
 
 

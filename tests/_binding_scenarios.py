@@ -116,14 +116,14 @@ def _buffer_matches_model(binding: Any, chunks: list[Any]) -> bool:
 
 
 def _readme_consumer(text: str, buffers: list[Any]) -> dict[str, Any]:
-    """Run README.md's manifest consumer (the python block after "A consumer in plain torch") on a manifest's
+    """Run docs/binding.md's manifest consumer (the python block after "A consumer in plain torch") on a manifest's
     JSON text and the flat buffers: a consumer written only from the documentation must load the weights."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "binding.md").read_text(encoding="utf-8")
     block = readme.split("A consumer in plain torch", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     namespace: dict[str, Any] = {"text": text, "buffers": buffers}
-    exec(compile(block, "README.md (manifest consumer)", "exec"), namespace)
+    exec(compile(block, "docs/binding.md (manifest consumer)", "exec"), namespace)
     return namespace["weights"]
 
 

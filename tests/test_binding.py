@@ -88,7 +88,7 @@ def test_manifest_module_stands_alone_without_a_process_group() -> None:
 
 @pytest.mark.unit
 def test_the_readme_consumer_reads_what_the_manifest_says() -> None:
-    """README.md documents the manifest's keys with a plain-torch consumer; that code (run as written) must read
+    """docs/binding.md documents the manifest's keys with a plain-torch consumer; that code (run as written) must read
     every parameter exactly where ``Manifest.views`` does (the real bindings run it too, in every release)."""
     from _binding_scenarios import _readme_consumer
 

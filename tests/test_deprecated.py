@@ -159,6 +159,7 @@ def _old_name(path: str) -> object:
 def test_other_removed_names_answer_with_their_old_meaning() -> None:
     from packaging.version import Version
 
+    from mcore_compat import training
     from mcore_compat._rows import Fact
     from mcore_compat.binding.manifest import Manifest
     from mcore_compat.selfcheck.oracle import Rule
@@ -170,7 +171,9 @@ def test_other_removed_names_answer_with_their_old_meaning() -> None:
            "mcore_compat.binding.manifest.Manifest.format": lambda: manifest.format == manifest.format_version,
            "mcore_compat.selfcheck.oracle.unsupported_group":
                lambda: [_old_name("mcore_compat.selfcheck.oracle.unsupported_group")(g, Rule("adam", True))
-                        for g in ({"lr": 1e-3}, {"amsgrad": True}, {"maximize": True})] == [None, "amsgrad", "maximize"]}
+                        for g in ({"lr": 1e-3}, {"amsgrad": True}, {"maximize": True})] == [None, "amsgrad", "maximize"],
+           "mcore_compat.get_megatron_optimizer":  # the naming rule: the adapter, now mcore_compat.training's
+               lambda: _old_name("mcore_compat.get_megatron_optimizer") is training.get_megatron_optimizer}
     assert set(old) == set(DEPRECATED_NAMES)
     for path, answers in old.items():
         with pytest.warns(DeprecationWarning, match=path.rpartition(".")[2]) as record:

@@ -86,7 +86,7 @@ def test_classifies_raw_moved_absent_per_release(client: Path) -> None:
     c = new["counts"]
     assert c["mirror"] == c["raw"] + c["moved"] and c["names"] == c["mirror"] + c["absent"]
     adapters = {n["name"]: n["adapter"] for n in report["names"]}
-    assert adapters["get_megatron_optimizer"].startswith("mcore_compat.get_megatron_optimizer")
+    assert adapters["get_megatron_optimizer"].startswith("mcore_compat.training.get_megatron_optimizer")
     assert adapters["DistributedDataParallelConfig"] == "mcore_compat.ddp_config(**fields)"
     assert adapters["get_tensor_model_parallel_rank"] is None
 
@@ -167,13 +167,13 @@ def test_fix_refuses_a_read_only_file(client: Path, capsys: pytest.CaptureFixtur
 
 
 def test_readme_client_table_and_the_recorded_imports_agree() -> None:
-    """The README's client table (scripts/measure_clients.py) names each client of the data file with as many
+    """The client table of docs/support.md (scripts/measure_clients.py) names each client of the data file with as many
     names as the data file records for it (the script writes both from one scan; no download here)."""
     import re
 
     root = Path(__file__).resolve().parents[1]
     data = json.loads((root / "tests" / "data" / "client_mirror_imports.json").read_text())
-    readme = (root / "README.md").read_text()
+    readme = (root / "docs" / "support.md").read_text()
     block = readme.split("<!-- clients:begin")[1].split("<!-- clients:end -->")[0]
     header = dict(re.findall(r"\| (\S+==\S+) \((\d+) names\)", block))
     assert header == {client: str(len(pairs)) for client, pairs in data.items()}

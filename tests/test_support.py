@@ -436,3 +436,27 @@ def test_the_time_table_is_rendered_from_the_recorded_timing() -> None:
         "| 0.16.1 | 150 | 3 | 120 | 2 | 2 forked 8.2 s, 4 spawned 11.0 s | 6: 30 s | 21 | "
         "test_selfcheck_real.py 40, test_cli.py 20 |")
     assert _timing_row("0.16.1", {"seconds": 1.0}) is None and _timing_row("0.16.1", None) is None
+
+
+def test_docs_session_builds_the_site_strictly_with_pinned_tools(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``nox -s docs``: not a default session, not in ``matrix``; ``mkdocs build --strict`` with the tools that
+    ci/matrix_env.py pins, which pyproject's ``docs`` extra repeats."""
+    import tomllib
+
+    from ci import matrix_env
+
+    fake, registered = _fake_nox()
+    nf = _load_noxfile_with(fake, monkeypatch)
+    assert registered["docs"]["default"] is False and registered["docs"]["python"] == nf.ENV.tools_python
+    calls: list[tuple[str, tuple[str, ...]]] = []
+    session = types.SimpleNamespace(posargs=[], install=lambda *a: calls.append(("install", a)),
+                                    run=lambda *a: calls.append(("run", a)))
+    registered["docs"]["func"](session)
+    assert calls == [("install", matrix_env.DOCS_TOOLS), ("run", ("mkdocs", "build", "--strict"))]
+    assert all("==" in tool for tool in matrix_env.DOCS_TOOLS)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["docs"] == list(matrix_env.DOCS_TOOLS)
+    sybil = [t for t in matrix_env.TEST_TOOLS if t.startswith("sybil")]
+    assert sybil and all(set(sybil) <= set(extras[e]) for e in ("test", "dev"))
+    config = (ROOT / "mkdocs.yml").read_text()
+    assert "strict: true" in config and "docs_dir: docs" in config

@@ -288,6 +288,8 @@ def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
         strict: refuse a checkpoint whose names differ from the model's (or that lacks optimizer / scheduler
             state asked for); ``False`` loads what both have. Shapes and dtypes must always match.
 
+    Each error below is raised on every rank when any rank refuses; nothing is loaded then.
+
     Returns:
         A :class:`LoadedCheckpoint` (iteration, this rank's extra, manifest, whether RNG states were restored).
 
@@ -297,7 +299,6 @@ def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
         CheckpointInProgressError: another process is writing it (or died doing so).
         CheckpointMismatchError: it does not fit the model / optimizer / scheduler.
         CheckpointReshardError: saved at another TP, PP, EP or virtual-stage layout.
-        Each is raised on every rank when any rank refuses; nothing is loaded then.
     """
     chunk_list = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     where = coords(len(chunk_list))

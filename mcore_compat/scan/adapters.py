@@ -8,22 +8,22 @@ __all__ = ["ADAPTERS", "adapter_for"]
 
 #: ``name -> (module prefix, mcore_compat call)``: a use of ``name`` imported from a module under the prefix.
 ADAPTERS: dict[str, tuple[str, str]] = {
-    "get_megatron_optimizer": ("megatron.core.optimizer", "mcore_compat.get_megatron_optimizer(config, model_chunks)"),
+    "get_megatron_optimizer": ("megatron.core.optimizer", "mcore_compat.training.get_megatron_optimizer(config, model_chunks)"),
     "OptimizerConfig": ("megatron.core.optimizer", "mcore_compat.optimizer_config(**fields)"),
-    "MegatronOptimizer": ("megatron.core.optimizer", "mcore_compat.optimizer_step(optimizer)"),
-    "ChainedOptimizer": ("megatron.core.optimizer", "mcore_compat.optimizer_step(optimizer)"),
-    "DistributedOptimizer": ("megatron.core.optimizer", "mcore_compat.optimizer_step(optimizer)"),
+    "MegatronOptimizer": ("megatron.core.optimizer", "mcore_compat.training.optimizer_step(optimizer)"),
+    "ChainedOptimizer": ("megatron.core.optimizer", "mcore_compat.training.optimizer_step(optimizer)"),
+    "DistributedOptimizer": ("megatron.core.optimizer", "mcore_compat.training.optimizer_step(optimizer)"),
     "OptimizerParamScheduler": ("megatron.core", "mcore_compat.training.optimizer_param_scheduler(...)"),
-    "DistributedDataParallel": ("megatron.core.distributed", "mcore_compat.wrap_ddp(model_chunks, ddp_config)"),
+    "DistributedDataParallel": ("megatron.core.distributed", "mcore_compat.training.wrap_ddp(model_chunks, ddp_config)"),
     "DistributedDataParallelConfig": ("megatron.core.distributed", "mcore_compat.ddp_config(**fields)"),
     "finalize_model_grads": ("megatron.core.distributed",
                              "mcore_compat.training.finalize_model_grads(model, num_tokens)"),
-    "get_forward_backward_func": ("megatron.core.pipeline_parallel", "mcore_compat.forward_backward(...)"),
-    "forward_backward_no_pipelining": ("megatron.core.pipeline_parallel", "mcore_compat.forward_backward(...)"),
+    "get_forward_backward_func": ("megatron.core.pipeline_parallel", "mcore_compat.training.forward_backward(...)"),
+    "forward_backward_no_pipelining": ("megatron.core.pipeline_parallel", "mcore_compat.training.forward_backward(...)"),
     "forward_backward_pipelining_without_interleaving": ("megatron.core.pipeline_parallel",
-                                                         "mcore_compat.forward_backward(...)"),
+                                                         "mcore_compat.training.forward_backward(...)"),
     "forward_backward_pipelining_with_interleaving": ("megatron.core.pipeline_parallel",
-                                                      "mcore_compat.forward_backward(...)"),
+                                                      "mcore_compat.training.forward_backward(...)"),
     "TransformerConfig": ("megatron.core.transformer", "mcore_compat.transformer_config(**fields)"),
 }
 
