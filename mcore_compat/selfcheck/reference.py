@@ -16,10 +16,11 @@ else the param dtype), then reduced by hand to what the whole batch's gradient i
 Each element also gets the bound its value may differ by from any other order of the same sums: summing
 ``k`` terms in a dtype of unit roundoff ``u`` errs by at most ``(k-1)*u*S`` (``S`` = the sum of the terms'
 magnitudes), so two orders differ by at most ``2*(k-1)*u*S``, plus ``2u`` of the value for a non-power-of-two
-mean. The per-micro-batch gradients themselves are those of the same kernels on the same inputs. During the
-backward the magnitudes are held in bfloat16 rounded up (never below the fp32 sum; the bound grows by at most
-``2^-7`` of itself), widened to fp32 for the reductions once the activations are gone: two bytes per element less
-at the reference's peak.
+mean. The per-micro-batch gradients themselves are those of the same kernels on the same inputs. On an
+accelerator the magnitudes are held in bfloat16 rounded up during the backward (never below the fp32 sum; the
+bound grows by at most ``2^-7`` of itself), widened to fp32 for the reductions once the activations are gone: two
+bytes per element less at the reference's peak; on the CPU they are summed in fp32 (the rounding costs more time
+there than the memory is worth).
 """
 
 from __future__ import annotations
@@ -228,11 +229,17 @@ class PlainReference:
                 for orig, dup in self.pairs[chunk]:
                     if dup.grad is None:
                         continue
+                    # on an accelerator the magnitudes wait in bf16 rounded up (memory); on the CPU in fp32 (time)
+                    low = dup.device.type != "cpu"
                     if orig not in acc:
                         acc[orig] = torch.zeros(dup.shape, dtype=self.grad_dtype(orig), device=dup.device)
-                        mag[orig] = torch.zeros(dup.shape, dtype=torch.bfloat16, device=dup.device)
+                        mag[orig] = torch.zeros(dup.shape, dtype=torch.bfloat16 if low else torch.float32,
+                                                device=dup.device)
                     acc[orig].add_(dup.grad)
-                    mag[orig] = _bf16_up(mag[orig].float().add_(dup.grad.float().abs()))
+                    if low:
+                        mag[orig] = _bf16_up(mag[orig].float().add_(dup.grad.float().abs()))
+                    else:
+                        mag[orig].add_(dup.grad.float().abs())
                     dup.grad = None
         g.set_virtual_rank(None)
         for p in mag:  # the reductions in fp32, once the backward's activations are gone

@@ -114,8 +114,11 @@ class _Tally:
         mantissa, exponent = torch.frexp(torch.where(ok, rel, 1.0))  # rel = mantissa * 2**exponent, 0.5 <= m < 1
         e = (exponent.to(torch.int64) - (mantissa == 0.5).to(torch.int64)).clamp_(-_EXP_RANGE, _EXP_RANGE - 1)
         e = torch.where(ok, e + _EXP_RANGE, 2 * _EXP_RANGE)  # the last bin: left out
-        # histc with its range given: no host sync (bincount reads the largest value first)
-        counts = torch.histc(e.reshape(-1).float(), bins=2 * _EXP_RANGE + 1, min=0, max=2 * _EXP_RANGE + 1).long()
+        if e.device.type == "cpu":
+            counts = torch.bincount(e.reshape(-1), minlength=2 * _EXP_RANGE + 1)
+        else:  # histc with its range given: no host sync (bincount reads the largest value first)
+            counts = torch.histc(e.reshape(-1).float(), bins=2 * _EXP_RANGE + 1, min=0,
+                                 max=2 * _EXP_RANGE + 1).long()
         if weight != 1:
             counts = counts * weight
         self._device_bins = counts if self._device_bins is None else self._device_bins + counts
@@ -481,26 +484,47 @@ class StepVerifier:
         import torch
 
         t = self.tally["grads"]
-        scalars: list[Any] = []
         compared: list[tuple[MainParam, Any]] = []
         for mp in self.view:
             got = live[id(mp)]
             if got is None:
                 t.fail(f"step {self.step_index}: {mp.name} has no gradient")
                 continue
-            got = got.reshape(-1)
+            compared.append((mp, got.reshape(-1)))
+        ids: list[Any] = []
+        worst_parts: list[Any] = []
+        over_parts: list[Any] = []
+        small: list[int] = []
+        for k, (mp, got) in enumerate(compared):
+            if 0 < got.numel() <= _PACK_MAX:
+                small.append(k)
+                continue
             want_all, bound_all = self._ref_part(ref, mp)
-            worst_t, over_t = _ratio(got[:0], got[:0])
             for lo, hi in _blocks(got.numel()):
-                g = got[lo:hi].float()
-                want = torch.zeros_like(g) if want_all is None else want_all[lo:hi].float()
-                bound = torch.zeros_like(g) if bound_all is None else bound_all[lo:hi].float()
-                ratio, over = _ratio((g - want).abs(), bound)
-                worst_t, over_t = torch.maximum(worst_t, ratio), over_t + over
-                t.see_resolution(bound, want)
-            scalars.extend([worst_t, over_t])
-            compared.append((mp, got))
-        values = _read(scalars)
+                self._grad_block(t, [(got[lo:hi], want_all, bound_all, lo, hi)], None, 1, worst_parts, over_parts)
+                ids.append(torch.tensor([k], dtype=torch.int64))
+        # small params packed (biases, norms): one comparison for many, per-param verdicts by segment reductions
+        for start in range(0, len(small), _PACK_COUNT):
+            chunk = small[start:start + _PACK_COUNT]
+            pieces = []
+            for k in chunk:
+                mp, got = compared[k]
+                want_all, bound_all = self._ref_part(ref, mp)
+                pieces.append((got, want_all, bound_all, 0, got.numel()))
+            dev = compared[chunk[0]][1].device
+            lengths = torch.tensor([compared[k][1].numel() for k in chunk], dtype=torch.int64).to(dev)
+            seg = torch.repeat_interleave(torch.arange(len(chunk), device=dev), lengths)
+            self._grad_block(t, pieces, seg, len(chunk), worst_parts, over_parts)
+            ids.append(torch.tensor(chunk, dtype=torch.int64))
+        values = [0.0, 0.0] * len(compared)
+        if ids:
+            dev = worst_parts[0].device
+            index = torch.cat(ids).to(dev)
+            n = len(compared)
+            worst_e = torch.zeros(n, dtype=torch.float64, device=dev).scatter_reduce_(
+                0, index, torch.cat(worst_parts), "amax")
+            over_e = torch.zeros(n, dtype=torch.float64, device=dev).index_add_(0, index, torch.cat(over_parts))
+            values = torch.stack([worst_e, over_e], dim=1).reshape(-1).tolist()  # one host sync
         for k, (mp, got) in enumerate(compared):
             worst, over_total = values[2 * k], values[2 * k + 1]
             t.see(worst, f"{mp.name} step {self.step_index}", got.numel())
@@ -521,6 +545,27 @@ class StepVerifier:
                        f"({example})")
         ref.grads.clear()
         ref.bounds.clear()
+
+    @staticmethod
+    def _grad_block(t: _Tally, pieces: list[tuple[Any, Any, Any, int, int]], seg: Any, n: int,
+                    worst_parts: list[Any], over_parts: list[Any]) -> None:
+        """Compare one block: ``pieces`` ``(live gradient slice, reference, bound, lo, hi)`` (reference and bound
+        whole, ``None`` when the reference has no gradient: zeros), concatenated; appends per piece (segment)
+        the worst ``err/bound`` and the elements over it."""
+        import torch
+
+        def cat(parts: list[Any]) -> Any:
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        g = cat([p[0] for p in pieces]).float()
+        want = cat([torch.zeros(hi - lo, device=g.device) if w is None else w[lo:hi] for _g, w, _b, lo, hi in pieces
+                    ]).float()
+        bound = cat([torch.zeros(hi - lo, device=g.device) if b is None else b[lo:hi] for _g, _w, b, lo, hi in pieces
+                     ]).float()
+        worst, over = _seg_ratio((g - want).abs(), bound, seg, n)
+        t.see_resolution(bound, want)
+        worst_parts.append(worst)
+        over_parts.append(over)
 
     @staticmethod
     def _ref_part(ref: GradReference, mp: MainParam) -> tuple[Any, Any]:
@@ -842,6 +887,9 @@ def _verdict(name: str, t: _Tally, detail: str, na: str,
 
 #: Main params of at most this many elements share blocks of the rule (biases, norms: one evaluation for all).
 _PACK_MAX = 1 << 16
+
+#: Small params per packed block of the gradient comparison (at most this many times :data:`_PACK_MAX` elements).
+_PACK_COUNT = 32
 
 #: Elements per block of the float64 rule (bounds the temporaries: ~12 float64 tensors of this size).
 _BLOCK = 1 << 21
