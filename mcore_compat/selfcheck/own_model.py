@@ -132,7 +132,7 @@ def check_training_step(
                                        num_microbatches,
                                        seq_length=seq_length, micro_batch_size=micro_batch_size,
                                        check_hooks=False, **schedule_kwargs)
-    verifier.after_backward(forward_step_func, batches, num_microbatches, stored)
+    verifier.after_backward(forward_step_func, batches, num_microbatches, stored, last=True)
     ok, norm, _ = training.optimizer_step(optimizer)
     verifier.after_step(ok, norm)
     training.finish_param_sync(chunks, optimizer)  # the overlapped all-gather of the updated params, if any
