@@ -21,10 +21,14 @@ def case_start() -> set[Any]:
 
 
 def case_end(before: set[Any]) -> None:
-    """After a case that returned on this rank: barrier, then destroy the groups it created."""
+    """After a case that returned on this rank: barrier, ``destroy_model_parallel`` (Megatron forgets its groups,
+    and destroys those it destroys itself: 0.9.0 destroys its gloo data-parallel group without asking whether it
+    still exists, so it must go first), then destroy the groups the case created that are left."""
     import torch.distributed as dist
 
+    from mcore_compat import symbols
     from mcore_compat.launch import destroy_process_groups_since
 
     dist.barrier()
+    symbols.resolve("parallel_state").destroy_model_parallel()
     destroy_process_groups_since(before)
