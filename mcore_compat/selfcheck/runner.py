@@ -200,7 +200,7 @@ def _sweep_configs(configs: list[SelfCheckOptions], kept: set[Any]
 
     out: list[tuple[list[Check], dict[str, Any], str | None]] = []
     for index, opts in enumerate(configs):
-        before = process_groups() | kept
+        before = process_groups()
         try:
             checks, env = run_rank(opts)
             out.append((checks, env, None))

@@ -532,12 +532,7 @@ class StepVerifier:
             ids.append(torch.tensor(chunk, dtype=torch.int64))
         values = [0.0, 0.0] * len(compared)
         if ids:
-            dev = worst_parts[0].device
-            index = torch.cat(ids).to(dev)
-            n = len(compared)
-            worst_e = torch.zeros(n, dtype=torch.float64, device=dev).scatter_reduce_(
-                0, index, torch.cat(worst_parts), "amax")
-            over_e = torch.zeros(n, dtype=torch.float64, device=dev).index_add_(0, index, torch.cat(over_parts))
+            worst_e, over_e = _per_entry(ids, worst_parts, over_parts, len(compared))
             values = torch.stack([worst_e, over_e], dim=1).reshape(-1).tolist()  # one host sync
         for k, (mp, got) in enumerate(compared):
             worst, over_total = values[2 * k], values[2 * k + 1]
@@ -689,12 +684,9 @@ class StepVerifier:
                 self._update_block(t, entries, block, coeff, ids, worst_parts, over_parts, moment_parts)
         if not ids:
             return
-        dev = worst_parts[0].device
-        index = torch.cat(ids).to(dev)
         n = len(entries)
-        worst_e = torch.zeros(n, dtype=torch.float64, device=dev).scatter_reduce_(
-            0, index, torch.cat(worst_parts), "amax")
-        over_e = torch.zeros(n, dtype=torch.float64, device=dev).index_add_(0, index, torch.cat(over_parts))
+        worst_e, over_e = _per_entry(ids, worst_parts, over_parts, n)
+        dev = worst_e.device
         moment_e = {k: torch.zeros(n, dtype=torch.float64, device=dev).index_add_(
             0, torch.cat([i for i, _ in v]).to(dev), torch.cat([o for _, o in v])) for k, v in moment_parts.items()}
         values = torch.stack([worst_e, over_e, *moment_e.values()]).cpu()  # one host sync
@@ -910,6 +902,18 @@ _PACK_COUNT = 32
 
 #: Elements per block of the float64 rule (bounds the temporaries: ~12 float64 tensors of this size).
 _BLOCK = 1 << 21
+
+
+def _per_entry(ids: list[Any], worst_parts: list[Any], over_parts: list[Any], n: int) -> tuple[Any, Any]:
+    """Per entry of ``n`` (``ids``: the entry index of each block's values): the largest of its blocks' worst
+    ratios and the sum of their counts over the bound, in float64 on the blocks' device (no host sync)."""
+    import torch
+
+    dev = worst_parts[0].device
+    index = torch.cat(ids).to(dev)
+    worst = torch.zeros(n, dtype=torch.float64, device=dev).scatter_reduce_(0, index, torch.cat(worst_parts), "amax")
+    over = torch.zeros(n, dtype=torch.float64, device=dev).index_add_(0, index, torch.cat(over_parts))
+    return worst, over
 
 
 def _blocks(n: int) -> list[tuple[int, int]]:
