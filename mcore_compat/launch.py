@@ -47,7 +47,8 @@ from typing import Any, TypeVar
 from .errors import InvalidArgumentError, McoreCompatError
 
 __all__ = ["Group", "RankFailure", "RankTimeout", "StartRecord", "check_not_bootstrapping", "default_backend",
-           "destroy_process_groups_since", "free_port", "init_from_env", "process_groups", "spawn", "start_log"]
+           "destroy_model_parallel_since", "destroy_process_groups_since", "free_port", "init_from_env",
+           "process_groups", "spawn", "start_log"]
 
 T = TypeVar("T")
 
@@ -237,6 +238,21 @@ def destroy_process_groups_since(before: set[Any]) -> None:
     # The last reference runs each group's destructor, which joins its threads (~4 ms a group on a busy CPU):
     # drop them on a thread of their own, off the caller's path (the groups are out of torch's registry already).
     threading.Thread(target=gone.clear, name="mcore-compat-destroy-groups", daemon=True).start()
+
+
+def destroy_model_parallel_since(before: set[Any]) -> None:
+    """Undo ``initialize_model_parallel`` and every group created since ``before`` (:func:`process_groups`): for
+    code that builds models with different layouts one after another in the same processes (tests, a sweep, an RL
+    job switching between training and generation layouts). Call it on every rank, after a barrier.
+
+    Megatron's ``destroy_model_parallel`` runs first: 0.9.0 destroys its gloo data-parallel group there without
+    checking that it still exists (``parallel_state.py``), so it must run while that group does; it only forgets the
+    other groups, which :func:`destroy_process_groups_since` then destroys (their threads would pile up otherwise).
+    """
+    from . import symbols
+
+    symbols.resolve("parallel_state").destroy_model_parallel()
+    destroy_process_groups_since(before)
 
 
 #: This rank's file for its Python stacks (kept open: ``faulthandler`` writes to its descriptor).

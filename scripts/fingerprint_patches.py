@@ -22,6 +22,9 @@ import zipfile
 from pathlib import Path
 from types import ModuleType
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _generated import write_or_check
+
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "patches" / "_fingerprints.py"
 
@@ -113,17 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="only check that the file is up to date")
     args = parser.parse_args(argv)
     table = compute(args.wheels)
-    text = render(table)
-    if args.check:
-        if OUTPUT.read_text(encoding="utf-8") != text:
-            print(f"{OUTPUT.relative_to(ROOT)} is out of date: run scripts/fingerprint_patches.py", file=sys.stderr)
-            return 1
-        print(f"{OUTPUT.relative_to(ROOT)} is up to date")
-        return 0
-    OUTPUT.write_text(text, encoding="utf-8")
     targets = sum(len(t) for t in table.values())
-    print(f"wrote {OUTPUT.relative_to(ROOT)}: {len(table)} patches, {targets} targets")
-    return 0
+    return write_or_check(OUTPUT, render(table), check=args.check, script="fingerprint_patches.py",
+                          summary=f"{len(table)} patches, {targets} targets")
 
 
 if __name__ == "__main__":

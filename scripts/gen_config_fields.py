@@ -42,6 +42,9 @@ if str(ROOT) not in sys.path:  # a script: the checkout's mcore_compat is not in
     sys.path.insert(0, str(ROOT))
 from mcore_compat._probes import _body_statements  # noqa: E402  (the probes' AST walk)
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _generated import write_or_check  # noqa: E402  (the write or --check step of every generator)
+
 OUTPUT = ROOT / "mcore_compat" / "_config_fields.py"
 
 
@@ -440,17 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print("declared renames that the releases do not show:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 1
-    text = render(releases, data)
-    rel = OUTPUT.relative_to(ROOT)
-    if args.check:
-        if not OUTPUT.is_file() or OUTPUT.read_text(encoding="utf-8") != text:
-            print(f"{rel} is out of date: run scripts/gen_config_fields.py", file=sys.stderr)
-            return 1
-        print(f"{rel} is up to date")
-        return 0
-    OUTPUT.write_text(text, encoding="utf-8")
-    print(f"wrote {rel}: " + ", ".join(f"{name} {len(cd.field_names())} fields" for name, cd in data.items()))
-    return 0
+    return write_or_check(OUTPUT, render(releases, data), check=args.check, script="gen_config_fields.py",
+                          summary=", ".join(f"{name} {len(cd.field_names())} fields" for name, cd in data.items()))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # a script: the checkout's mcore_compat is not installed
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _generated import write_or_check  # noqa: E402  (the write or --check step of every generator)
 from gen_config_fields import matrix_releases, ranges_of  # noqa: E402  (the same release ranges)
 
 from mcore_compat._surface_read import Release, ReleaseSurface  # noqa: E402  (the static read of one release)
@@ -314,19 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     moves.moved |= {(m.name, m.old, m.new) for m in MOVES}
     moves.dropped -= moves.moved
-    text = render(surface, moves)
-    rel = OUTPUT.relative_to(ROOT)
-    if args.check:
-        if not OUTPUT.is_file() or OUTPUT.read_text(encoding="utf-8") != text:
-            print(f"{rel} is out of date: run scripts/gen_surface.py", file=sys.stderr)
-            return 1
-        print(f"{rel} is up to date")
-        return 0
-    OUTPUT.write_text(text, encoding="utf-8")
     count = sum(len(s.names[m]) for s in surface.per_release[-1:] for m in s.names)
-    print(f"wrote {rel}: {len(surface.module_names())} modules, {count} names in {surface.releases[-1]}, "
-          f"{len(moves.moved)} moves, {len(moves.dropped)} re-exports dropped")
-    return 0
+    return write_or_check(OUTPUT, render(surface, moves), check=args.check, script="gen_surface.py",
+                          summary=f"{len(surface.module_names())} modules, {count} names in {surface.releases[-1]}, "
+                                  f"{len(moves.moved)} moves, {len(moves.dropped)} re-exports dropped")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ The model and patches are those of ``_training_scenarios.py``.
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -630,23 +629,15 @@ CASE_NAMES = list(cases())
 
 def run_all() -> dict[str, Any]:
     """Every case on this rank: ``{"version": str, "patches": [...], "cases": {name: result}}``."""
-    import torch.distributed as dist
 
     patches = apply_patches()
     from mcore_compat.detect import detect
 
     version = str(detect().version)
     results: dict[str, Any] = {}
-    from _case_groups import case_end, case_start
+    from _case_groups import run_case
 
     for name, fn in cases().items():
-        before = case_start()
-        try:
-            results[name] = fn()
-        except Exception:
-            results[name] = {"status": "error", "error": traceback.format_exc()}
-            dist.barrier()
-            continue
-        case_end(before)
+        results[name] = run_case(fn)
     _ps().destroy_model_parallel()  # the session's ranks run other modules next
     return {"version": version, "patches": patches, "cases": results}

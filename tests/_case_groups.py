@@ -10,6 +10,7 @@ groups created since ``before`` destroyed (the world group never).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -21,14 +22,28 @@ def case_start() -> set[Any]:
 
 
 def case_end(before: set[Any]) -> None:
-    """After a case that returned on this rank: barrier, ``destroy_model_parallel`` (Megatron forgets its groups,
-    and destroys those it destroys itself: 0.9.0 destroys its gloo data-parallel group without asking whether it
-    still exists, so it must go first), then destroy the groups the case created that are left."""
+    """After a case that returned on this rank: barrier, then the case's model parallelism and groups undone
+    (:func:`mcore_compat.launch.destroy_model_parallel_since`)."""
     import torch.distributed as dist
 
-    from mcore_compat import symbols
-    from mcore_compat.launch import destroy_process_groups_since
+    from mcore_compat.launch import destroy_model_parallel_since
 
     dist.barrier()
-    symbols.resolve("parallel_state").destroy_model_parallel()
-    destroy_process_groups_since(before)
+    destroy_model_parallel_since(before)
+
+
+def run_case(fn: Callable[[], Any], **error: Any) -> Any:
+    """``fn()`` between :func:`case_start` and :func:`case_end`; a case that raised gives ``{**error, "status":
+    "error", "error": traceback}`` (this rank does its barrier alone, as every rank does one per case)."""
+    import traceback
+
+    import torch.distributed as dist
+
+    before = case_start()
+    try:
+        result = fn()
+    except Exception:
+        dist.barrier()
+        return {**error, "status": "error", "error": traceback.format_exc()}
+    case_end(before)
+    return result

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -377,7 +376,7 @@ def run_all(only: tuple[str, ...] = (), keep: str | None = None) -> dict[str, An
     _KEEP = keep
 
     apply_patches()
-    from _case_groups import case_end, case_start
+    from _case_groups import run_case
 
     from mcore_compat.detect import detect
 
@@ -391,14 +390,7 @@ def run_all(only: tuple[str, ...] = (), keep: str | None = None) -> dict[str, An
         if why is not None:
             results[name] = {"status": "unsupported", "reason": why}
             continue
-        before = case_start()
-        try:
-            results[name] = fn()
-        except Exception:
-            results[name] = {"status": "error", "error": traceback.format_exc()}
-            dist.barrier()
-            continue
-        case_end(before)
+        results[name] = run_case(fn)
     from mcore_compat.training._common import parallel_state
 
     parallel_state().destroy_model_parallel()

@@ -11,7 +11,6 @@ two experts swapped, an expert claimed by two EP ranks) and records what gather_
 from __future__ import annotations
 
 import dataclasses
-import traceback
 from typing import Any
 
 #: The layouts, by world size (name -> SelfCheckOptions fields).
@@ -246,11 +245,10 @@ def _case(world: int, name: str) -> dict[str, Any]:
 
 def run_world(world: int) -> dict[str, Any]:
     """Every layout of ``world`` that the release runs, on this rank: ``{"version", "cases"}``."""
-    from _case_groups import case_end, case_start
+    from _case_groups import run_case
     from _training_scenarios import apply_patches
 
     apply_patches()
-    import torch.distributed as dist
 
     from mcore_compat import symbols
     from mcore_compat.detect import detect
@@ -261,14 +259,7 @@ def run_world(world: int) -> dict[str, Any]:
         if reason is not None:
             results[name] = {"status": "skip", "reason": reason}
             continue
-        before = case_start()
-        try:
-            results[name] = _case(world, name)
-        except Exception:
-            results[name] = {"status": "error", "error": traceback.format_exc()}
-            dist.barrier()
-            continue
-        case_end(before)
+        results[name] = run_case(lambda: _case(world, name))  # noqa: B023 (called at once)
     ps = symbols.resolve("parallel_state")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()

@@ -8,7 +8,6 @@ that never offloads. ``run_all()`` returns plain data (bools, byte counts, names
 from __future__ import annotations
 
 import functools
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -305,24 +304,16 @@ CASE_NAMES = list(cases())
 
 def run_all() -> dict[str, Any]:
     """Every case on this rank: ``{"version": str, "cases": {name: result}}``."""
-    import torch.distributed as dist
 
     apply_patches()
     from mcore_compat.detect import detect
 
     version = str(detect().version)
     results: dict[str, Any] = {}
-    from _case_groups import case_end, case_start
+    from _case_groups import run_case
 
     for name, fn in cases().items():
-        before = case_start()
-        try:
-            results[name] = fn()
-        except Exception:
-            results[name] = {"status": "error", "error": traceback.format_exc()}
-            dist.barrier()
-            continue
-        case_end(before)
+        results[name] = run_case(fn)
     from mcore_compat.training._common import parallel_state
 
     parallel_state().destroy_model_parallel()

@@ -351,17 +351,10 @@ def run_all() -> dict[str, Any]:
     version = str(detect().version)
     one_rank_groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
     results: dict[str, Any] = {}
-    from _case_groups import case_end, case_start
+    from _case_groups import run_case
 
     for case in cases():
-        before = case_start()
-        try:
-            results[case.name] = _run_case(case, one_rank_groups)
-        except Exception:
-            results[case.name] = {"case": case.name, "status": "error", "error": traceback.format_exc()}
-            dist.barrier()
-            continue
-        case_end(before)
+        results[case.name] = run_case(lambda: _run_case(case, one_rank_groups), case=case.name)  # noqa: B023
     from mcore_compat.training._common import parallel_state
 
     parallel_state().destroy_model_parallel()  # the session's ranks run other modules next

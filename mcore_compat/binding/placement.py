@@ -220,16 +220,7 @@ class Coordinates:
 
 def coordinates() -> Coordinates:
     """This rank's :class:`Coordinates` (defaults when model parallelism is not initialised)."""
-    from .. import symbols
+    from .._rank_coords import read
 
-    try:
-        ps = symbols.resolve("parallel_state")
-        if not ps.model_parallel_is_initialized():
-            return Coordinates()
-    except Exception:  # no Megatron: a binding built in a unit test
-        return Coordinates()
-    tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    etp_rank = getattr(ps, "get_expert_tensor_parallel_rank", None)
-    etp_size = getattr(ps, "get_expert_tensor_parallel_world_size", None)
-    return Coordinates(tp_rank, tp, ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
-                       etp_rank() if etp_rank else tp_rank, etp_size() if etp_size else tp)
+    c = read()  # the one reader of parallel_state (checkpoint.coords reads it too)
+    return Coordinates(c["tp"], c["tp_size"], c["pp"], c["ep"], c["etp"], c["etp_size"])

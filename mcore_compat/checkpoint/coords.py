@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 __all__ = ["Coords", "coords", "is_expert"]
@@ -36,36 +36,12 @@ class Coords:
                 "ep": self.ep_size, "vpp": self.vpp}
 
 
-def _call(ps: Any, name: str, default: int) -> int:
-    fn = getattr(ps, name, None)
-    if fn is None:
-        return default
-    try:
-        return int(fn())
-    except (AssertionError, AttributeError, TypeError):  # a group the job did not create (0.4: no experts)
-        return default
-
-
 def coords(n_chunks: int) -> Coords:
     """This rank's :class:`Coords` (a single process when ``torch.distributed`` is not initialised)."""
-    import importlib
+    from .._rank_coords import read
 
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return Coords(vpp=n_chunks)
-    ps = importlib.import_module("megatron.core.parallel_state")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if not ps.model_parallel_is_initialized():
-        return Coords(rank=rank, world=world, dp=rank, dp_size=world, vpp=n_chunks)
-    return Coords(
-        rank=rank, world=world,
-        tp=_call(ps, "get_tensor_model_parallel_rank", 0), tp_size=_call(ps, "get_tensor_model_parallel_world_size", 1),
-        pp=_call(ps, "get_pipeline_model_parallel_rank", 0),
-        pp_size=_call(ps, "get_pipeline_model_parallel_world_size", 1),
-        dp=_call(ps, "get_data_parallel_rank", 0), dp_size=_call(ps, "get_data_parallel_world_size", 1),
-        ep=_call(ps, "get_expert_model_parallel_rank", 0),
-        ep_size=_call(ps, "get_expert_model_parallel_world_size", 1), vpp=n_chunks)
+    c = read()  # the one reader of parallel_state (binding.placement reads it too)
+    return Coords(**{f.name: c[f.name] for f in fields(Coords) if f.name != "vpp"}, vpp=n_chunks)
 
 
 def is_expert(param: Any) -> bool:

@@ -231,7 +231,7 @@ def run_all() -> dict[str, Any]:
     for pattern in NOISE:
         warnings.filterwarnings("ignore", message=pattern)
     import mcore_compat as mc
-    from mcore_compat.launch import destroy_process_groups_since, process_groups
+    from mcore_compat.launch import destroy_model_parallel_since, process_groups
 
     results: dict[str, Any] = {}
     for case in CASES:
@@ -243,7 +243,6 @@ def run_all() -> dict[str, Any]:
             dist.barrier()
             continue
         dist.barrier()  # every rank does one barrier per case (a failed one above)
-        mc.parallel_state.destroy_model_parallel()  # first: 0.9.0 destroys its gloo DP group without checking
-        destroy_process_groups_since(before)  # the case's Megatron groups: live gloo groups pile up otherwise
+        destroy_model_parallel_since(before)  # the case's Megatron groups: live gloo groups pile up otherwise
     mc.parallel_state.destroy_model_parallel()
     return {"version": str(mc.MCORE_VERSION), "patches": applied, "rank": dist.get_rank(), "cases": results}
