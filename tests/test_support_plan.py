@@ -89,3 +89,32 @@ def test_doctor_for_a_release_prints_the_plan_and_refuses_an_unlisted_one() -> N
     bad = _doctor("--for", "0.99.0")
     assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.splitlines()) == 1
     assert "--for 0.99.0: not a supported release; one of: 0.4.0 " in bad.stderr
+
+
+@pytest.mark.unit
+def test_an_install_from_a_checkout_is_reinstalled_from_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pip install .`` records the checkout (PEP 610 ``direct_url.json``): the plan for another release installs
+    mcore-compat from there, not from a package index where it may not be."""
+    import json
+    from importlib import metadata
+
+    from mcore_compat.support import plan
+
+    class _Dist:
+        def __init__(self, text: str | None) -> None:
+            self.text = text
+
+        def read_text(self, name: str) -> str | None:
+            return self.text if name == "direct_url.json" else None
+
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'mcore-compat'\n")
+    local = json.dumps({"url": tmp_path.as_uri(), "dir_info": {}})
+    monkeypatch.setattr(metadata, "distribution", lambda name: _Dist(local))
+    assert plan._installed_from() == tmp_path
+    monkeypatch.setattr(metadata, "distribution", lambda name: _Dist(json.dumps({"url": "https://x/y.whl"})))
+    assert plan._installed_from() is None
+    monkeypatch.setattr(metadata, "distribution", lambda name: _Dist(None))
+    assert plan._installed_from() is None
+    gone = json.dumps({"url": (tmp_path / "gone").as_uri(), "dir_info": {}})
+    monkeypatch.setattr(metadata, "distribution", lambda name: _Dist(gone))
+    assert plan._installed_from() is None

@@ -141,7 +141,26 @@ def _project_requirement() -> str:
     root = Path(__file__).resolve().parents[2]
     if (root / "pyproject.toml").is_file() and (root / "mcore_compat").is_dir():
         return str(root)
-    return f"mcore-compat=={__version__}"
+    source = _installed_from()
+    return str(source) if source is not None else f"mcore-compat=={__version__}"
+
+
+def _installed_from() -> Path | None:
+    """The checkout this installed mcore-compat was built from (``pip install .``: pip records it in the
+    distribution's ``direct_url.json``, PEP 610), if it is still there; ``None`` otherwise."""
+    import json
+    from importlib import metadata
+    from urllib.parse import unquote, urlparse
+
+    try:
+        text = metadata.distribution("mcore-compat").read_text("direct_url.json")
+        url = urlparse(json.loads(text)["url"]) if text else None
+    except (metadata.PackageNotFoundError, ValueError, KeyError, TypeError):
+        return None
+    if url is None or url.scheme != "file":
+        return None
+    path = Path(unquote(url.path))
+    return path if (path / "pyproject.toml").is_file() else None
 
 
 def _has_gpu() -> bool:
