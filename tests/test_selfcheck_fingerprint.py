@@ -45,3 +45,14 @@ def test_fingerprints_together_equal_one_by_one_and_see_a_change() -> None:
     assert not any(changed(list(zip([fingerprint(x) for x in items], together, strict=True))))
     items[1][2, 3] = 12345
     assert changed(list(zip(together, fingerprints(items), strict=True))) == [i == 1 for i in range(len(items))]
+
+
+@pytest.mark.parametrize("n", [1, 1023, 1024, 5_000, 70_001])
+def test_row_and_column_sums_give_the_index_weighted_sum_exactly(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sums equal ``sum(v_i)`` and ``sum((i + 1) * v_i)`` modulo 2**64, computed here directly in Python."""
+    monkeypatch.setattr(fp, "_BLOCK", 4096)  # several blocks of rows and a partial last row
+    x = torch.randn(n) * 1e30  # large bit patterns: the weighted sum wraps modulo 2**64
+    ints = x.view(torch.int32).tolist()
+    want = [sum(ints), sum((i + 1) * v for i, v in enumerate(ints))]
+    got = fingerprint(x)[1].tolist()
+    assert [g % 2**64 for g in got] == [w % 2**64 for w in want]
