@@ -84,10 +84,21 @@ def main(argv: list[str] | None = None) -> int:
     phases.clear()
     total = []
     for _ in range(3):
+        for opt in [optimizer, *getattr(optimizer, "chained_optimizers", [])]:  # a scheduler's new lr each step:
+            for group in opt.param_groups:  # the fused kernels must not be compiled again for it
+                group["lr"] *= 0.9
         t0 = time.perf_counter()
         rep = check()
         sync()
         total.append(time.perf_counter() - t0)
+    from mcore_compat.selfcheck import fused
+    try:
+        from torch._dynamo.utils import counters
+        compiled = dict(counters["stats"])
+    except Exception:
+        compiled = {}
+    print(f"fused kernels: {'on' if fused.enabled(torch.device(args.device)) else 'off'}; compile failures "
+          f"{fused._FAILED}; dynamo stats {compiled}")
     print(f"param bytes {params / 2**20:.1f} MiB; plain step median {sorted(plain)[2] * 1e3:.1f} ms; check "
           f"{[round(x * 1e3, 1) for x in total]} ms; {rep.summary_line()}")
     for k, v in phases.items():

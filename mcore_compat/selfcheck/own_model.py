@@ -123,7 +123,7 @@ def check_training_step(
     config = symbols.resolve("get_model_config")(chunks[0])
     batches = _materialize(data_iterator, len(chunks), num_microbatches)
     as_list = isinstance(data_iterator, list)
-    verifier = StepVerifier(chunks, optimizer, reference=reference, continuity=False,
+    verifier = StepVerifier(chunks, optimizer, reference=reference, continuity=False, one_step=True,
                             per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)))
     verifier.before_step()
     training.zero_grad_buffer(chunks, optimizer)
@@ -155,6 +155,7 @@ def check_training_step(
                               "num_microbatches": num_microbatches, "bind": binding is not None,
                               "reference": reference, "hooks_installed": hooks_ok,
                               "reference_bytes": verifier.reference_bytes,
-                              "snapshot_bytes": verifier.snapshot_bytes})
+                              "snapshot_bytes": verifier.snapshot_bytes,
+                              "snapshot_host_bytes": verifier.snapshot_host_bytes})
     report.checks = merge_rank_checks(gathered)
     return report

@@ -54,15 +54,18 @@ def core_module(module: Any) -> Any:
     return module
 
 
-def _plain_copy(module: Any) -> Any:
+def _plain_copy(module: Any, share_weights: bool = False) -> Any:
     """A deep copy of ``module`` with fresh parameters (no DDP attributes such as ``main_grad``) that shares
-    what must not be copied: process groups and the transformer configs (whose hooks hold the optimizer)."""
+    what must not be copied: process groups and the transformer configs (whose hooks hold the optimizer).
+    ``share_weights``: the fresh parameters are views of the model's weights (no copy of their values; their
+    gradients are their own)."""
     import torch
     import torch.distributed as dist
 
     memo: dict[int, Any] = {}
     for p in module.parameters():
-        memo[id(p)] = torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+        value = p.detach() if share_weights else p.detach().clone()
+        memo[id(p)] = torch.nn.Parameter(value, requires_grad=p.requires_grad)
     for sub in module.modules():
         for attr in ("config", "ddp_config", "pg_collection"):
             value = sub.__dict__.get(attr)
@@ -115,13 +118,16 @@ class PlainReference:
         chunks: the DDP-wrapped model chunks of this rank (virtual pipeline stages in order).
         groups: the process groups (:class:`~mcore_compat.selfcheck.groups.Groups`) of this rank.
         grad_dtype: ``param -> torch.dtype`` of the gradient buffer Megatron keeps (``main_grad``'s dtype).
+        share_weights: the copies' parameters are views of the model's weights, not copies of them (for a check
+            of one step, whose reference runs before the weights change: one model's param bytes less).
     """
 
     def __init__(self, chunks: Sequence[Any], groups: Any, grad_dtype: Callable[[Any], Any],
-                 per_token_loss: bool = False) -> None:
+                 per_token_loss: bool = False, share_weights: bool = False) -> None:
         self.per_token_loss = per_token_loss
+        self.share_weights = share_weights
         self.originals = [unwrap_ddp(c) for c in chunks]
-        self.copies = [_plain_copy(m) for m in self.originals]
+        self.copies = [_plain_copy(m, share_weights) for m in self.originals]
         self.groups = groups
         self.grad_dtype = grad_dtype
         self.pairs: list[list[tuple[Any, Any]]] = []
@@ -130,8 +136,9 @@ class PlainReference:
             self.pairs.append([(p, dup_params[n]) for n, p in orig.named_parameters() if p.requires_grad])
 
     def nbytes(self) -> int:
-        """Bytes held by the copies (parameters and buffers)."""
-        return sum(t.numel() * t.element_size() for m in self.copies for t in (*m.parameters(), *m.buffers()))
+        """Bytes held by the copies (parameters unless shared, and buffers)."""
+        return sum(t.numel() * t.element_size() for m in self.copies
+                   for t in ((*m.parameters(), *m.buffers()) if not self.share_weights else tuple(m.buffers())))
 
     def release(self) -> None:
         """Drop the copies (a one-step check is done with them once the reference has run)."""
@@ -142,6 +149,8 @@ class PlainReference:
         """Copy the model's current weights into the copies."""
         import torch
 
+        if self.share_weights:
+            return
         with torch.no_grad():
             for pairs in self.pairs:
                 for orig, dup in pairs:

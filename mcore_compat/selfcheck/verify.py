@@ -47,9 +47,11 @@ from typing import Any
 
 from .._optimizer_view import MainParam, optimizer_view
 from .._own_math import own_tensor_math
+from . import elements, fused
 from .configured import Configured, from_optimizer
 from .fingerprint import Fingerprint, changed, fingerprints
 from .groups import Groups
+from .host_snapshot import HostSnapshot
 from .invariants import compare_replicas, global_grad_norm
 from .oracle import BOUND_TEXT, Rule, expected_step, rule_of
 from .reference import GradReference, PlainReference, core_module
@@ -57,6 +59,10 @@ from .report import Check
 from .rng_replay import RngReplay, unreplayable_reason
 
 __all__ = ["StepVerifier", "named_trainable"]
+
+#: what of the pre-step snapshot lives in pinned host memory on CUDA (:mod:`.host_snapshot`): ``"main"`` (the
+#: main params) and optimizer state keys; the rest (the gradients, the other state) is copied on the device
+HOST_SNAPSHOT: tuple[str, ...] = ("main",)
 
 _HYPER_KEYS = ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov", "amsgrad", "maximize",
                "bias_correction")
@@ -74,11 +80,16 @@ def named_trainable(chunks: Sequence[Any]) -> dict[Any, str]:
 
 #: binary exponents of ``bound / |value|`` the resolution histogram tells apart (float64 spans -1074..1024)
 _EXP_RANGE = 1100
-#: blocks of more elements than this are counted in the resolution histogram by a systematic sample: every
-#: ``_RES_STRIDE``-th element, counted ``_RES_STRIDE`` times (the histogram is the costliest kernel of the check,
-#: atomics into a few bins; the quantiles it gives are stated to a factor of 2 anyway)
+#: blocks of more elements than this are counted in the resolution histogram by a systematic sample of about
+#: :data:`_RES_SAMPLES` elements (every ``stride``-th, each standing for ``stride`` elements); the samples are kept
+#: as values and binned once, when the report is written (the quantiles are stated to a factor of 2 anyway)
 _RES_EXACT = 1 << 16
-_RES_STRIDE = 8
+_RES_SAMPLES = 1 << 12
+
+
+def res_stride(n: int) -> int:
+    """The stride of the resolution sample of a block of ``n`` elements (1: every element)."""
+    return 1 if n <= _RES_EXACT else max(1, n // _RES_SAMPLES)
 
 
 def _nonzero(counts: Any) -> list[int]:
@@ -101,36 +112,30 @@ class _Tally:
     resolution_bins: dict[int, int] = field(default_factory=dict)
     _device_bins: Any = None
 
-    def see_resolution(self, bound: Any, value: Any) -> None:
-        """Count the elements of one block by ``ceil(log2(bound / |value|))`` (elements whose value is 0 are left
-        out): a histogram kept on the tensors' device (no sort, no host sync per block), read by
-        :meth:`resolution`."""
+    def see_resolution_sample(self, rel: Any, weight: int) -> None:
+        """Keep ``rel`` (``bound / |value|`` of sampled elements, each standing for ``weight`` elements) on its
+        device, for :meth:`resolution` (binned once there: no host sync per block)."""
+        if self._device_bins is None:
+            self._device_bins = []
+        self._device_bins.append((rel, weight))
+
+    def _merge_device_bins(self) -> None:
         import torch
 
-        weight = 1
-        if bound.numel() > _RES_EXACT:  # a systematic sample of a large block, each element standing for _RES_STRIDE
-            bound, value, weight = bound[::_RES_STRIDE], value[::_RES_STRIDE], _RES_STRIDE
-        rel = bound / value.abs()
+        if not self._device_bins:
+            return
+        samples, self._device_bins = self._device_bins, None
+        rel = torch.cat([r.reshape(-1).double() for r, _w in samples])
+        weights = torch.cat([torch.full((r.numel(),), float(w), dtype=torch.float64, device=rel.device)
+                             for r, w in samples])
         ok = torch.isfinite(rel) & (rel > 0)
         mantissa, exponent = torch.frexp(torch.where(ok, rel, 1.0))  # rel = mantissa * 2**exponent, 0.5 <= m < 1
         e = (exponent.to(torch.int64) - (mantissa == 0.5).to(torch.int64)).clamp_(-_EXP_RANGE, _EXP_RANGE - 1)
         e = torch.where(ok, e + _EXP_RANGE, 2 * _EXP_RANGE)  # the last bin: left out
-        if e.device.type == "cpu":
-            counts = torch.bincount(e.reshape(-1), minlength=2 * _EXP_RANGE + 1)
-        else:  # histc with its range given: no host sync (bincount reads the largest value first)
-            counts = torch.histc(e.reshape(-1).float(), bins=2 * _EXP_RANGE + 1, min=0,
-                                 max=2 * _EXP_RANGE + 1).long()
-        if weight != 1:
-            counts = counts * weight
-        self._device_bins = counts if self._device_bins is None else self._device_bins + counts
-
-    def _merge_device_bins(self) -> None:
-        if self._device_bins is not None:
-            counts = self._device_bins[:2 * _EXP_RANGE].cpu()
-            self._device_bins = None
-            for i in _nonzero(counts):
-                e = i - _EXP_RANGE
-                self.resolution_bins[e] = self.resolution_bins.get(e, 0) + int(counts[i])
+        counts = torch.bincount(e, weights=weights, minlength=2 * _EXP_RANGE + 1)[:2 * _EXP_RANGE].cpu()
+        for i in _nonzero(counts):
+            e_i = i - _EXP_RANGE
+            self.resolution_bins[e_i] = self.resolution_bins.get(e_i, 0) + round(float(counts[i]))
 
     def see_relative(self, rel: float) -> None:
         """Count one element whose bound is ``rel`` of its value."""
@@ -171,10 +176,11 @@ class _Pre:
     grad: Any = None
 
 
-def _clone_state(state: dict[str, Any]) -> dict[str, Any]:
+def _clone_state(state: dict[str, Any], skip: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
+    """A copy of an optimizer state (``skip``: keys copied elsewhere, kept as the live tensor here)."""
     out = {}
     for k, v in state.items():
-        out[k] = v.detach().clone() if hasattr(v, "detach") else v
+        out[k] = v.detach().clone() if hasattr(v, "detach") and k not in skip else v
     return out
 
 
@@ -192,37 +198,8 @@ def _resolution_text(tally: _Tally, what: str = "a main param off the rule") -> 
             f"element; {high:.2g} at the 90th percentile)")
 
 
-def _ratio(err: Any, bound: Any) -> tuple[Any, Any]:
-    """Worst ``err/bound`` (an element over its bound gives > 1; a nonzero error with zero bound gives inf) and
-    the number of elements over their bound, as float64 device scalars (read them together, one sync)."""
-    import torch
-
-    if err.numel() == 0:
-        zero = torch.zeros((), dtype=torch.float64, device=err.device)
-        return zero, zero
-    over = (err > bound).sum().double()
-    safe = torch.where(bound > 0, err / bound.clamp_min(torch.finfo(bound.dtype).tiny),
-                       torch.where(err > 0, float("inf"), 0.0))
-    return safe.max().double(), over
-
-
-def _seg_ratio(err: Any, bound: Any, seg: Any, n: int) -> tuple[Any, Any]:
-    """:func:`_ratio` per segment: ``seg`` gives each element's segment (``None``: one segment); float64 device
-    vectors of length ``n``."""
-    import torch
-
-    if seg is None:
-        worst, over = _ratio(err, bound)
-        return worst.reshape(1), over.reshape(1)
-    safe = torch.where(bound > 0, err / bound.clamp_min(torch.finfo(bound.dtype).tiny),
-                       torch.where(err > 0, float("inf"), 0.0)).double()
-    worst = torch.zeros(n, dtype=torch.float64, device=err.device).scatter_reduce_(0, seg, safe, "amax")
-    over = torch.zeros(n, dtype=torch.float64, device=err.device).index_add_(0, seg, (err > bound).double())
-    return worst, over
-
-
-def _pack(entries: list[tuple[Any, ...]], members: list[int]) -> list[list[tuple[int, int, int]]]:
-    """Blocks of pieces ``(entry, lo, hi)`` of ``members``' main params, each block <= :data:`_BLOCK` elements:
+def _pack(entries: list[tuple[Any, ...]], members: list[int], block: int) -> list[list[tuple[int, int, int]]]:
+    """Blocks of pieces ``(entry, lo, hi)`` of ``members``' main params, each block <= ``block`` elements:
     a large param in blocks of its own, small ones packed together."""
     blocks: list[list[tuple[int, int, int]]] = []
     open_block: list[tuple[int, int, int]] = []
@@ -230,11 +207,11 @@ def _pack(entries: list[tuple[Any, ...]], members: list[int]) -> list[list[tuple
     for e in members:
         n = entries[e][0].main.numel()
         if n > _PACK_MAX:
-            blocks.extend([(e, lo, hi)] for lo, hi in _blocks(n))
+            blocks.extend([(e, lo, hi)] for lo, hi in _blocks(n, block))
             continue
         if not n:
             continue
-        if size + n > _BLOCK and open_block:
+        if size + n > block and open_block:
             blocks.append(open_block)
             open_block, size = [], 0
         open_block.append((e, 0, n))
@@ -269,10 +246,12 @@ class StepVerifier:
         configured: the hyper-parameters the updates must follow (:func:`.configured.from_options`); default:
             :func:`.configured.from_optimizer` (the optimizer's config, the groups' lr and weight decay before
             each step).
+        one_step: only one step will be checked: the reference's params are views of the model's weights (its
+            run ends before the weights change) instead of a copy of them.
     """
 
     def __init__(self, chunks: Sequence[Any], optimizer: Any, *, reference: bool = True, continuity: bool = True,
-                 per_token_loss: bool = False, configured: Configured | None = None) -> None:
+                 per_token_loss: bool = False, configured: Configured | None = None, one_step: bool = False) -> None:
         import torch
 
         self.chunks = list(chunks)
@@ -296,6 +275,9 @@ class StepVerifier:
         self.tally: dict[str, _Tally] = {k: _Tally() for k in (
             "grads", "norm", "update", "model", "changed", "continuity", "replicas", "loss")}
         self._pre: dict[int, _Pre] = {}
+        self._host: HostSnapshot | None = None
+        #: elements of each main param (by id) the step changed, counted by the update check
+        self._changed: dict[int, Any] = {}
         self._after: dict[int, list[Fingerprint]] = {}
         self._entry: dict[int, list[Fingerprint]] = {}
         self._loss_scale = 1.0
@@ -306,12 +288,15 @@ class StepVerifier:
         self.unchanged: list[str] = []
         self.reference: PlainReference | None = None
         self.reference_bytes = 0
+        #: bytes of the last pre-step snapshot on the params' device and (:data:`HOST_SNAPSHOT`) in host memory
         self.snapshot_bytes = 0
+        self.snapshot_host_bytes = 0
         self.rng = RngReplay(self.chunks)
         #: why the reference cannot draw the step's dropout masks (then no gradient comparison), or ``None``
         self.unreplayable = unreplayable_reason(self.chunks) if reference else None
         if reference:
-            self.reference = PlainReference(self.chunks, self.groups, _grad_dtype, per_token_loss=per_token_loss)
+            self.reference = PlainReference(self.chunks, self.groups, _grad_dtype, per_token_loss=per_token_loss,
+                                            share_weights=one_step)
             self.reference_bytes = self.reference.nbytes()
         self._setup_checks: list[Check] = self._coverage()
 
@@ -385,7 +370,25 @@ class StepVerifier:
             self._pre[id(mp)] = _Pre(None, {}, None if mp.group is None else {k: mp.group[k] for k in _HYPER_KEYS
                                                                               if k in mp.group})
         self._entry = self._prints()
+        self._start_host_snapshot()
         self.rng.start_step()
+
+    def _start_host_snapshot(self) -> None:
+        """On CUDA, start copying the :data:`HOST_SNAPSHOT` part of the snapshot to the host (it overlaps the
+        forward and backward; the values cannot change before the optimizer step, the fingerprints prove it)."""
+        self._host = None
+        if self.device.type != "cuda" or not HOST_SNAPSHOT or self.view.unsupported:
+            return
+        tensors: dict[Any, Any] = {}
+        for mp in self.view:
+            if "main" in HOST_SNAPSHOT:
+                tensors[(id(mp), "main")] = mp.main
+            state = _state_of(mp)
+            for key in HOST_SNAPSHOT:
+                if key != "main" and _is_tensor(state.get(key)) and state[key].dim():
+                    tensors[(id(mp), key)] = state[key]
+        self._host = HostSnapshot(self.device)
+        self._host.start(tensors)
 
     @own_tensor_math
     def _prints(self, model: bool = False) -> dict[int, list[Fingerprint]]:
@@ -440,6 +443,8 @@ class StepVerifier:
             self.reference.release()
         del live
         self._snapshot(grad_prints)
+        if self._host is not None:
+            self._host.fence()  # the optimizer step overwrites what the host copies are read from
 
     @own_tensor_math
     def _snapshot(self, grad_prints: dict[int, Fingerprint]) -> None:
@@ -450,20 +455,29 @@ class StepVerifier:
                 self.tally["update"].fail(f"step {self.step_index}: {mp.name}: main param or optimizer state "
                                           f"changed during forward_backward")
         self.snapshot_bytes = 0
+        self.snapshot_host_bytes = 0
         grad_then: list[Fingerprint] = []
         grad_now: list[Any] = []
         grad_names: list[str] = []
+        host = self._host.copies if self._host is not None else {}
         for mp in self.view:
             pre = self._pre[id(mp)]
-            pre.p0 = mp.main.detach().float().clone()
-            pre.state0 = _clone_state(_state_of(mp))
+            pre.p0 = host.get((id(mp), "main"))
+            if pre.p0 is None:
+                pre.p0 = mp.main.detach().float().clone()
+            pre.state0 = {k: host.get((id(mp), k), v) for k, v in _clone_state(_state_of(mp), skip={
+                k for i, k in host if i == id(mp)}).items()}
             g = mp.finalized_grad()
             pre.grad = None if g is None else g.detach().clone()
             if id(mp) in grad_prints:
                 grad_then.append(grad_prints[id(mp)])
                 grad_now.append(pre.grad)
                 grad_names.append(mp.name)
-            self.snapshot_bytes += _nbytes(pre.p0) + _nbytes(pre.grad) + sum(_nbytes(v) for v in pre.state0.values())
+            for v in (pre.p0, pre.grad, *pre.state0.values()):
+                if _is_tensor(v) and v.device != self.device:
+                    self.snapshot_host_bytes += _nbytes(v)
+                else:
+                    self.snapshot_bytes += _nbytes(v)
         grad_pairs = list(zip(grad_then, fingerprints(grad_now), strict=True))
         for name, moved in zip(grad_names, changed(grad_pairs), strict=True):
             if moved:
@@ -479,6 +493,11 @@ class StepVerifier:
         if self.step_index == 0:
             self._check_changed()
         self._pre = {}  # the snapshot is spent: free it before the next step
+        if self._host is not None:
+            self._host.release()
+            self._host = None
+        for t in self.tally.values():  # bin this step's resolution samples (one host sync per check and step)
+            t._merge_device_bins()
         if self.continuity:
             self._after = self._prints(model=True)
         self.step_index += 1
@@ -509,12 +528,13 @@ class StepVerifier:
         worst_parts: list[Any] = []
         over_parts: list[Any] = []
         small: list[int] = []
+        size = fused.block_elements(self.device)
         for k, (mp, got) in enumerate(compared):
             if 0 < got.numel() <= _PACK_MAX:
                 small.append(k)
                 continue
             want_all, bound_all = self._ref_part(ref, mp)
-            for lo, hi in _blocks(got.numel()):
+            for lo, hi in _blocks(got.numel(), size):
                 self._grad_block(t, [(got[lo:hi], want_all, bound_all, lo, hi)], None, 1, worst_parts, over_parts)
                 ids.append(torch.tensor([k], dtype=torch.int64))
         # small params packed (biases, norms): one comparison for many, per-param verdicts by segment reductions
@@ -560,19 +580,18 @@ class StepVerifier:
                     worst_parts: list[Any], over_parts: list[Any]) -> None:
         """Compare one block: ``pieces`` ``(live gradient slice, reference, bound, lo, hi)`` (reference and bound
         whole, ``None`` when the reference has no gradient: zeros), concatenated; appends per piece (segment)
-        the worst ``err/bound`` and the elements over it."""
+        the worst ``err/bound`` and the elements over it (:func:`.elements.grad_block`)."""
         import torch
 
         def cat(parts: list[Any]) -> Any:
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-        g = cat([p[0] for p in pieces]).float()
-        want = cat([torch.zeros(hi - lo, device=g.device) if w is None else w[lo:hi] for _g, w, _b, lo, hi in pieces
-                    ]).float()
-        bound = cat([torch.zeros(hi - lo, device=g.device) if b is None else b[lo:hi] for _g, _w, b, lo, hi in pieces
-                     ]).float()
-        worst, over = _seg_ratio((g - want).abs(), bound, seg, n)
-        t.see_resolution(bound, want)
+        g = cat([p[0] for p in pieces])
+        want = cat([torch.zeros(hi - lo, device=g.device) if w is None else w[lo:hi] for _g, w, _b, lo, hi in pieces])
+        bound = cat([torch.zeros(hi - lo, device=g.device) if b is None else b[lo:hi] for _g, _w, b, lo, hi in pieces])
+        stride = res_stride(g.numel())
+        worst, over, sample = fused.run(elements.grad_block, g.device, g, want, bound, seg, n, stride)
+        t.see_resolution_sample(sample, stride)
         worst_parts.append(worst)
         over_parts.append(over)
 
@@ -635,13 +654,14 @@ class StepVerifier:
             return
         coeff = self._clip_coeff(grad_norm)
         self.last_clip_coeff = coeff
+        self._changed = {}
         entries: list[tuple[Any, ...]] = []  # (mp, pre, rule, hyper, now, missing, moment keys, step)
         packs: dict[Any, list[int]] = {}  # main params that may share a block: the same rule, hyper, step, keys
         for mp in self.view:
             pre = self._pre[id(mp)]
             after = mp.main.detach().reshape(-1)
             if pre.group is None:
-                if not torch.equal(after.float(), pre.p0.reshape(-1)):
+                if not torch.equal(after.float(), _on(pre.p0, after).reshape(-1)):
                     t.fail(f"step {self.step_index}: {mp.name} is in no param group yet changed")
                 else:
                     t.fail(f"step {self.step_index}: {mp.name} is in no param group: never updated")
@@ -657,7 +677,7 @@ class StepVerifier:
             self.rule_text = f"{BOUND_TEXT.get(bound_key, '')}; hyper-parameters: {conf.sources}"
             if not update_successful:
                 t.see(0.0, mp.name, after.numel())
-                if not torch.equal(after.float(), pre.p0.reshape(-1)):
+                if not torch.equal(after.float(), _on(pre.p0, after).reshape(-1)):
                     t.fail(f"step {self.step_index}: the step was skipped (overflow) but {mp.name} changed")
                 continue
             if pre.grad is None:
@@ -679,8 +699,9 @@ class StepVerifier:
         worst_parts: list[Any] = []
         over_parts: list[Any] = []
         moment_parts: dict[str, list[Any]] = {}
+        size = fused.block_elements(self.device)
         for members in packs.values():
-            for block in _pack(entries, members):
+            for block in _pack(entries, members, size):
                 self._update_block(t, entries, block, coeff, ids, worst_parts, over_parts, moment_parts)
         if not ids:
             return
@@ -713,9 +734,9 @@ class StepVerifier:
     def _update_block(self, t: _Tally, entries: list[tuple[Any, ...]], block: list[tuple[int, int, int]],
                       coeff: float, ids: list[Any], worst_parts: list[Any], over_parts: list[Any],
                       moment_parts: dict[str, list[Any]]) -> None:
-        """The rule on one block (pieces ``(entry, lo, hi)`` of main params that share rule and hyper-parameters):
-        appends, per piece, its worst ``err/bound`` and elements over the bound (params and moments) to the
-        lists (device tensors, read together by :meth:`_check_update`)."""
+        """The rule on one block (pieces ``(entry, lo, hi)`` of main params that share rule and hyper-parameters,
+        :func:`.elements.update_block`): appends, per piece, its worst ``err/bound`` and elements over the bound
+        (params and moments) to the lists (device tensors, read together by :meth:`_check_update`)."""
         import torch
 
         def cat(parts: list[Any]) -> Any:
@@ -724,26 +745,26 @@ class StepVerifier:
         first = entries[block[0][0]]
         pre0, rule, hyper = first[1], first[2], first[3]
         moments: list[str] = first[6]
-        p0 = cat([entries[e][1].p0.reshape(-1)[lo:hi] for e, lo, hi in block])
-        grad = cat([entries[e][1].grad.reshape(-1)[lo:hi] for e, lo, hi in block]).double()
-        grad = grad / self._loss_scale * coeff
-        state0 = {k: (cat([entries[e][1].state0[k].reshape(-1)[lo:hi] for e, lo, hi in block])
-                      if _is_tensor(v) and v.dim() else v) for k, v in pre0.state0.items()}
-        p1, state1, bound = expected_step(rule, hyper, p0, grad, state0)
-        got = cat([entries[e][0].main.detach().reshape(-1)[lo:hi] for e, lo, hi in block]).double()
-        t.see_resolution(bound, p1)
+        got = cat([entries[e][0].main.detach().reshape(-1)[lo:hi] for e, lo, hi in block])
+        p0 = _on(cat([entries[e][1].p0.reshape(-1)[lo:hi] for e, lo, hi in block]), got)
+        grad = cat([entries[e][1].grad.reshape(-1)[lo:hi] for e, lo, hi in block])
+        state0 = {k: (_on(cat([entries[e][1].state0[k].reshape(-1)[lo:hi] for e, lo, hi in block]), got)
+                      if _is_tensor(v) and v.dim() else _plain(v)) for k, v in pre0.state0.items()}
+        now = {key: cat([entries[e][4][key].detach().reshape(-1)[lo:hi] for e, lo, hi in block]) for key in moments}
         seg = None
         if len(block) > 1:
-            lengths = torch.tensor([hi - lo for _e, lo, hi in block], dtype=torch.int64).to(p1.device)
-            seg = torch.repeat_interleave(torch.arange(len(block), device=p1.device), lengths)
+            lengths = torch.tensor([hi - lo for _e, lo, hi in block], dtype=torch.int64).to(p0.device)
+            seg = torch.repeat_interleave(torch.arange(len(block), device=p0.device), lengths)
         ids.append(torch.tensor([e for e, _lo, _hi in block], dtype=torch.int64))
-        worst, over = _seg_ratio((got - p1).abs(), bound, seg, len(block))
-        for key in moments:
-            if key not in state1:
-                continue
-            g_state = cat([entries[e][4][key].detach().reshape(-1)[lo:hi] for e, lo, hi in block]).double()
-            r, o = _seg_ratio((g_state - state1[key]).abs(), state1[f"{key}.bound"], seg, len(block))
-            worst = torch.maximum(worst, r)
+        stride = res_stride(p0.numel())
+        worst, over, moment_over, changed, sample = fused.run(
+            elements.update_block, p0.device, rule, hyper, p0, grad, coeff / self._loss_scale, state0, got, now, seg,
+            len(block), stride)
+        t.see_resolution_sample(sample, stride)
+        for k, (e, _lo, _hi) in enumerate(block):
+            mp_id = id(entries[e][0])
+            self._changed[mp_id] = changed[k] if mp_id not in self._changed else self._changed[mp_id] + changed[k]
+        for key, o in moment_over.items():
             moment_parts.setdefault(key, []).append((ids[-1], o))
         worst_parts.append(worst)
         over_parts.append(over)
@@ -751,9 +772,10 @@ class StepVerifier:
     def _expected_block(self, mp: MainParam, pre: _Pre, rule: Rule, hyper: dict[str, Any], coeff: float, lo: int,
                         hi: int) -> tuple[Any, dict[str, Any], Any, Any]:
         """The rule on elements ``lo:hi`` of ``mp``: ``(p', state', bound, the main param seen)`` (float64)."""
-        p0 = pre.p0.reshape(-1)[lo:hi]
-        grad = pre.grad.reshape(-1)[lo:hi].double() / self._loss_scale * coeff
-        state0 = {k: (v.reshape(-1)[lo:hi] if _is_tensor(v) and v.dim() else v) for k, v in pre.state0.items()}
+        p0 = _on(pre.p0.reshape(-1)[lo:hi], pre.grad)
+        grad = pre.grad.reshape(-1)[lo:hi].double() * (coeff / self._loss_scale)
+        state0 = {k: (_on(v.reshape(-1)[lo:hi], pre.grad) if _is_tensor(v) and v.dim() else v)
+                  for k, v in pre.state0.items()}
         p1, state1, bound = expected_step(rule, hyper, p0, grad, state0)
         return p1, state1, bound, mp.main.detach().reshape(-1)[lo:hi].double()
 
@@ -791,11 +813,17 @@ class StepVerifier:
         t = self.tally["changed"]
         if self.view.unsupported:
             return
+        per_mp: list[Any] = []
+        for mp in self.view:  # counted by the update check where it ran the rule, else here
+            n = self._changed.get(id(mp))
+            if n is None:
+                pre = self._pre[id(mp)]
+                after = mp.main.detach().float().reshape(-1)
+                n = (after != _on(pre.p0, after).reshape(-1)).sum()
+            per_mp.append(n.reshape(()).double())
         counts: dict[str, int] = {}
-        for mp in self.view:
-            pre = self._pre[id(mp)]
-            counts[mp.name] = counts.get(mp.name, 0) + int(
-                (mp.main.detach().float().reshape(-1) != pre.p0.reshape(-1)).sum())
+        for mp, n in zip(self.view, _read(per_mp), strict=True):  # one host sync
+            counts[mp.name] = counts.get(mp.name, 0) + int(n)
         merged: dict[str, int] = {}
         for group in {id(self.groups.dp): self.groups.dp, id(self.groups.edp): self.groups.edp}.values():
             gathered: list[Any] = [None] * dist.get_world_size(group)
@@ -900,8 +928,9 @@ _PACK_MAX = 1 << 16
 #: Small params per packed block of the gradient comparison (at most this many times :data:`_PACK_MAX` elements).
 _PACK_COUNT = 32
 
-#: Elements per block of the float64 rule (bounds the temporaries: ~12 float64 tensors of this size).
-_BLOCK = 1 << 21
+#: Elements per block of the float64 rule run op by op (bounds the temporaries: ~14 float64 tensors of this size);
+#: compiled into fused kernels on CUDA the blocks are larger (:func:`.fused.block_elements`).
+_BLOCK = fused.EAGER_BLOCK
 
 
 def _per_entry(ids: list[Any], worst_parts: list[Any], over_parts: list[Any], n: int) -> tuple[Any, Any]:
@@ -916,12 +945,27 @@ def _per_entry(ids: list[Any], worst_parts: list[Any], over_parts: list[Any], n:
     return worst, over
 
 
-def _blocks(n: int) -> list[tuple[int, int]]:
-    return [(lo, min(lo + _BLOCK, n)) for lo in range(0, max(n, 1), _BLOCK)]
+def _blocks(n: int, size: int = 0) -> list[tuple[int, int]]:
+    size = size or _BLOCK
+    return [(lo, min(lo + size, n)) for lo in range(0, max(n, 1), size)]
 
 
 def _is_tensor(v: Any) -> bool:
     return hasattr(v, "reshape") and hasattr(v, "dim")
+
+
+def _on(t: Any, like: Any) -> Any:
+    """``t`` on ``like``'s device (a host copy of the snapshot read back; asynchronous from pinned memory)."""
+    return t if t.device == like.device else t.to(like.device, non_blocking=True)
+
+
+def _plain(v: Any) -> Any:
+    """A 0-d state entry (Adam's ``step``) as a Python number (a compiled rule reads it without a host sync in
+    the kernel's graph)."""
+    if _is_tensor(v):
+        value = float(v)
+        return int(value) if value.is_integer() else value
+    return v
 
 
 def _nbytes(t: Any) -> int:
