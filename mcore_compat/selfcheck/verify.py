@@ -304,7 +304,6 @@ class StepVerifier:
     @own_tensor_math
     def _coverage(self) -> list[Check]:
         """``optimizer_covers_params`` and the main params' starting values (equal to the model's)."""
-        import torch
         import torch.distributed as dist
 
         if self.view.unsupported:
@@ -330,12 +329,9 @@ class StepVerifier:
                     total[n] = total.get(n, 0) + c
         wrong = [f"{name} ({total.get(name, 0)} of {p.numel()} elements)" for p, name in self.names.items()
                  if total.get(name, 0) != p.numel()]
-        start_diff = []
-        for mp in self.view:
-            if mp.main is mp.model:
-                continue
-            if not torch.equal(mp.main.detach().reshape(-1).to(mp.model.dtype), mp.model_part(mp.model.detach())):
-                start_diff.append(mp.name)
+        compared = [mp for mp in self.view if mp.main is not mp.model]
+        differs = _read([_differing(mp) for mp in compared])  # one host sync
+        start_diff = [mp.name for mp, n in zip(compared, differs, strict=True) if n]
         bad = wrong + [f"{n} (in no param group)" for n in in_no_group]
         detail = (f"{len(self.names)} trainable params: every element updated by exactly one main param of a param "
                   f"group; the model params equal the main params cast to the model dtype before the step")
@@ -793,18 +789,13 @@ class StepVerifier:
         return ""
 
     def _check_model_params(self) -> None:
-        import torch
 
         t = self.tally["model"]
-        for mp in self.view:
-            if mp.main is mp.model:
-                continue
-            want = mp.main.detach().reshape(-1).to(mp.model.dtype)
-            got = mp.model_part(mp.model.detach())
-            t.see(0.0, mp.name, got.numel())
-            if not torch.equal(got, want):
-                n = int((got != want).sum())
-                t.fail(f"step {self.step_index}: {mp.name}: {n}/{got.numel()} elements differ from the main "
+        compared = [mp for mp in self.view if mp.main is not mp.model]
+        for mp, n in zip(compared, _read([_differing(mp) for mp in compared]), strict=True):  # one host sync
+            t.see(0.0, mp.name, mp.main.numel())
+            if n:
+                t.fail(f"step {self.step_index}: {mp.name}: {int(n)}/{mp.main.numel()} elements differ from the main "
                        f"params cast to {str(mp.model.dtype).replace('torch.', '')}")
 
     def _check_changed(self) -> None:
@@ -952,6 +943,13 @@ def _blocks(n: int, size: int = 0) -> list[tuple[int, int]]:
 
 def _is_tensor(v: Any) -> bool:
     return hasattr(v, "reshape") and hasattr(v, "dim")
+
+
+def _differing(mp: MainParam) -> Any:
+    """How many elements of ``mp``'s part of its model param differ from the main param cast to the model's
+    dtype (a float64 device scalar)."""
+    want = mp.main.detach().reshape(-1).to(mp.model.dtype)
+    return (mp.model_part(mp.model.detach()) != want).sum().double()
 
 
 def _on(t: Any, like: Any) -> Any:
