@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=None, help="checks per variant (default: 5 on cuda, 3 on cpu)")
     p.add_argument("--host-snapshot", default=None,
                    help="comma-separated parts of the pre-step snapshot kept in pinned host memory on CUDA "
-                        "('main', optimizer state keys; '' for none; default: selfcheck.verify.HOST_SNAPSHOT)")
+                        "('main', optimizer state keys; '' for none; default: selfcheck.verify.HOST_SNAPSHOT, "
+                        "where it fits on the device, else HOST_WHEN_SHORT)")
     args = p.parse_args(argv)
     spec = G.spec_from_args(args)
     reps = args.reps or (5 if args.device == "cuda" else 3)
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         C.metric("verdicts", float(all(r.ok for r in reports.values())), "all ok", goal="== 1"),
     ]
     C.write_result(NAME, args.device, args.out, config={"spec": spec.as_dict(), "reps": reps, "lr": LR,
-                                                        "host_snapshot": list(verify.HOST_SNAPSHOT)},
+                                                        "host_snapshot": "auto" if verify.HOST_SNAPSHOT is None
+                                                        else list(verify.HOST_SNAPSHOT)},
                    results=results, headline=headline)
     return 0 if all(r.ok for r in reports.values()) else 1
 

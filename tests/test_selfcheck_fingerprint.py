@@ -56,3 +56,8 @@ def test_row_and_column_sums_give_the_index_weighted_sum_exactly(n: int, monkeyp
     want = [sum(ints), sum((i + 1) * v for i, v in enumerate(ints))]
     got = fingerprint(x)[1].tolist()
     assert [g % 2**64 for g in got] == [w % 2**64 for w in want]
+
+
+def test_the_definition_the_fused_path_compiles_gives_the_same_sums() -> None:
+    x = torch.randn(70_001) * 1e30
+    assert torch.equal(fp._direct_sums(x.view(torch.int32)), fingerprint(x)[1])

@@ -18,6 +18,14 @@ __all__ = ["grad_block", "update_block"]
 #: the oracle without its CPU-harness wrapper (``own_tensor_math`` is applied by the caller's method)
 _RULE = getattr(expected_step, "__wrapped__", expected_step)
 
+_CANONICAL: dict[Rule, Rule] = {}
+
+
+def canonical(rule: Rule) -> Rule:
+    """One instance per distinct rule (a compiled :func:`update_block` is keyed by the objects it is given:
+    a new but equal instance per step would compile it again)."""
+    return _CANONICAL.setdefault(rule, rule)
+
 
 def _ratio(err: Any, bound: Any) -> Any:
     import torch
@@ -50,16 +58,18 @@ def grad_block(got: Any, want: Any, bound: Any, seg: Any, n: int, stride: int) -
     return _worst(_ratio(err, b), seg, n), _count(err > b, seg, n), b[::stride] / w[::stride].abs()
 
 
-def update_block(rule: Rule, hyper: dict[str, Any], p0: Any, grad: Any, scale: float, state0: dict[str, Any],
-                 got: Any, moments_now: dict[str, Any], seg: Any, n: int, stride: int
-                 ) -> tuple[Any, Any, dict[str, Any], Any, Any]:
+def update_block(rule: Rule, hyper: dict[str, Any], p0: Any, grad: Any, scale: Any, state0: dict[str, Any],
+                 got: Any, moments_now: dict[str, Any], seg: Any, n: int, stride: int,
+                 present: dict[str, bool] | None = None) -> tuple[Any, Any, dict[str, Any], Any, Any]:
     """The rule (:func:`.oracle.expected_step`, float64) on the block's value ``p0``, gradient ``grad * scale``
     (unscaled and clipped) and state ``state0``, against the main param ``got`` and the moments ``moments_now``
     after the step: ``(worst, over, {moment: over}, changed, sample)``; ``worst`` covers the moments too,
-    ``changed`` counts the elements whose main param the step changed."""
+    ``changed`` counts the elements whose main param the step changed. ``hyper``, ``scale`` and
+    ``state0["step"]`` may be 0-d device tensors (:func:`device_scalars`; ``present``: :func:`.oracle.branches`
+    of their values), so that a compiled block is not specialized to the learning rate or step count."""
     import torch
 
-    p1, state1, bound = _RULE(rule, hyper, p0, grad.double() * scale, state0)
+    p1, state1, bound = _RULE(rule, hyper, p0, grad.double() * scale, state0, present)
     err = (got.double() - p1).abs()
     r = _ratio(err, bound)
     moment_over: dict[str, Any] = {}
@@ -71,3 +81,17 @@ def update_block(rule: Rule, hyper: dict[str, Any], p0: Any, grad: Any, scale: f
         moment_over[key] = _count(e > b, seg, n)
     return (_worst(r, seg, n), _count(err > bound, seg, n), moment_over, _count(got != p0, seg, n),
             bound[::stride] / p1[::stride].abs())
+
+
+def device_scalars(values: dict[str, Any], device: Any) -> dict[str, Any]:
+    """The numbers among ``values`` as 0-d float64 tensors on ``device`` (one copy to the device for all);
+    booleans and anything else stay as they are."""
+    import torch
+
+    keys = [k for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if not keys:
+        return dict(values)
+    packed = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64).to(device)
+    out = dict(values)
+    out.update({k: packed[i] for i, k in enumerate(keys)})
+    return out

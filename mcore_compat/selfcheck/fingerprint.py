@@ -9,7 +9,7 @@ sum (``d_j = -d_i``) alters the second by ``(j - i) * d_i``, which is nonzero mo
 both sums only by a coincidence of the changed values (not by rounding, scaling, zeroing or a stale copy, the
 faults the self-check injects); a mismatch says *that* a tensor changed, not *where*.
 
-Cost: the elements are read as a matrix of :data:`_COLS` columns, in blocks of ``_BLOCK`` elements; per block one
+Cost: on CUDA one fused reduction over the elements (:mod:`.fused`); elsewhere the elements are read as a matrix of :data:`_COLS` columns, in blocks of ``_BLOCK`` elements; per block one
 widening to int64 and two reductions, its row sums ``S_r`` and column sums ``T_c``, since
 ``sum((i + 1) * v_i) = _COLS * sum(r * S_r) + sum((c + 1) * T_c)`` for ``i = r * _COLS + c`` (the same value as
 the direct sum, modulo 2**64, with no index tensor as large as the block); no copy of the tensor is kept; the
@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._own_math import own_tensor_math
+from . import fused
 
 __all__ = ["Fingerprint", "changed", "fingerprint", "fingerprints"]
 
@@ -49,6 +50,8 @@ def fingerprint(t: Any) -> Fingerprint:
         flat = flat.to(torch.uint8)
     ints = flat.view(getattr(torch, _INT_OF_WIDTH[flat.element_size()]))
     n = ints.numel()
+    if n and fused.enabled(ints.device):  # one fused pass on CUDA: the index weights are never materialized
+        return (str(x.dtype), tuple(x.shape), n), fused.run(_direct_sums, ints.device, ints)
     rows = n // _COLS
     sums = torch.zeros(2, dtype=torch.int64, device=ints.device)
     step = max(1, _BLOCK // _COLS)  # rows per block
@@ -64,6 +67,16 @@ def fingerprint(t: Any) -> Fingerprint:
         w = _weights(ints.device, n - rows * _COLS).add(rows * _COLS)
         sums += torch.stack([v.sum(), torch.mul(v, w).sum()])
     return (str(x.dtype), tuple(x.shape), n), sums
+
+
+def _direct_sums(ints: Any) -> Any:
+    """``[sum(v_i), sum((i + 1) * v_i)]`` of an integer tensor, as int64 (wrapping modulo 2**64): the
+    definition, for :func:`.fused.run` to compile into one reduction."""
+    import torch
+
+    v = ints.to(torch.int64)
+    w = torch.arange(1, v.numel() + 1, dtype=torch.int64, device=v.device)
+    return torch.stack([v.sum(), (v * w).sum()])
 
 
 #: tensors up to this many elements are fingerprinted together (one concatenation and segment sums per device

@@ -33,7 +33,6 @@ necessarily moved in the rule's direction.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,9 +76,15 @@ def rule_of(inner: Any) -> Rule | str:
     return f"{type(inner).__module__}.{name}"
 
 
+def branches(rule: Rule, h: dict[str, Any]) -> dict[str, bool]:
+    """Which terms of the rule are present (decided from the hyper-parameters' values, before any tensor
+    math): ``decay`` (weight decay is nonzero), ``momentum`` and ``nesterov`` (SGD)."""
+    return {"decay": bool(h["wd"]), "momentum": bool(h.get("momentum", 0.0)), "nesterov": bool(h.get("nesterov"))}
+
+
 @own_tensor_math
-def expected_step(rule: Rule, h: dict[str, Any], p0: Any, grad: Any, state0: dict[str, Any]
-                  ) -> tuple[Any, dict[str, Any], Any]:
+def expected_step(rule: Rule, h: dict[str, Any], p0: Any, grad: Any, state0: dict[str, Any],
+                  present: dict[str, bool] | None = None) -> tuple[Any, dict[str, Any], Any]:
     """The rule applied exactly (float64) to ``p0``, the gradient and the state before the step.
 
     ``h``: the hyper-parameters (``lr``, ``wd``; Adam: ``b1``, ``b2``, ``eps``, ``bias_correction``; SGD:
@@ -88,16 +93,23 @@ def expected_step(rule: Rule, h: dict[str, Any], p0: Any, grad: Any, state0: dic
     ``(p', state', bound)``: the state with torch's keys (``exp_avg``, ``exp_avg_sq``, ``step``;
     ``momentum_buffer``) and, per element, the bound of the module docstring for ``p'`` (``state'`` also gets a
     ``"<key>.bound"`` entry per moment).
+
+    The hyper-parameters and ``state0["step"]`` may be Python numbers or 0-d float64 tensors on the params'
+    device (then the rule reads no value on the host and a compiled evaluation is not specialized to them);
+    ``present`` (:func:`branches` of the values) says which terms the rule has.
     """
     import torch
 
+    if present is None:
+        present = branches(rule, h)
     p = p0.double()
     g = grad.double()
     if rule.kind == "adam":
-        t = int(float(state0["step"])) + 1 if "step" in state0 else 1
+        step0 = state0.get("step")
+        t = (step0.double() + 1 if _is_tensor(step0) else int(float(step0)) + 1) if step0 is not None else 1
         m = state0["exp_avg"].double() if "exp_avg" in state0 else torch.zeros_like(p)
         v = state0["exp_avg_sq"].double() if "exp_avg_sq" in state0 else torch.zeros_like(p)
-        coupled = bool(h["wd"]) and not rule.decoupled
+        coupled = present["decay"] and not rule.decoupled
         g_abs = g.abs() + h["wd"] * p.abs() if coupled else g.abs()
         if coupled:
             g = g + h["wd"] * p
@@ -107,9 +119,9 @@ def expected_step(rule: Rule, h: dict[str, Any], p0: Any, grad: Any, state0: dic
         bc1 = 1.0 - h["b1"] ** t if h["bias_correction"] else 1.0
         bc2 = 1.0 - h["b2"] ** t if h["bias_correction"] else 1.0
         s = h["lr"] / bc1
-        denom = v1.sqrt() / math.sqrt(bc2) + h["eps"]
+        denom = v1.sqrt() / bc2 ** 0.5 + h["eps"]
         d = s * m1 / denom
-        p1 = (p * (1.0 - h["lr"] * h["wd"]) if (h["wd"] and rule.decoupled) else p) - d
+        p1 = (p * (1.0 - h["lr"] * h["wd"]) if (present["decay"] and rule.decoupled) else p) - d
         if not coupled:
             d_abs = s * m_abs / denom
             bound = U32 * (2.0 * p.abs() + p1.abs() + 12.0 * d.abs() + 6.0 * d_abs)
@@ -121,16 +133,16 @@ def expected_step(rule: Rule, h: dict[str, Any], p0: Any, grad: Any, state0: dic
         # either way, by at most its bound)
         v_terms = h["b2"] * v + (1.0 - h["b2"]) * g_abs * g_abs
         v_err = 11.0 * U32 * v_terms
-        denom_lo = (v1 - v_err).clamp_min(0.0).sqrt() / math.sqrt(bc2) + h["eps"]
+        denom_lo = (v1 - v_err).clamp_min(0.0).sqrt() / bc2 ** 0.5 + h["eps"]
         d_lo = s * m_abs / denom_lo
         bound = (U32 * (2.0 * p.abs() + p1.abs() + 12.0 * d.abs() + 7.0 * d_lo)
                  + s * m1.abs() * (1.0 / denom_lo - 1.0 / denom))
         return p1, {"exp_avg": m1, "exp_avg_sq": v1, "step": t, "exp_avg.bound": 7.0 * U32 * m_abs,
                     "exp_avg_sq.bound": v_err}, bound
-    d = g + h["wd"] * p if h["wd"] else g
-    d_abs = g.abs() + h["wd"] * p.abs() if h["wd"] else g.abs()
+    d = g + h["wd"] * p if present["decay"] else g
+    d_abs = g.abs() + h["wd"] * p.abs() if present["decay"] else g.abs()
     state: dict[str, Any] = {}
-    if h["momentum"]:
+    if present["momentum"]:
         buf = state0.get("momentum_buffer")
         if buf is None:
             buf1, buf_abs = d.clone(), d_abs.clone()
@@ -138,13 +150,17 @@ def expected_step(rule: Rule, h: dict[str, Any], p0: Any, grad: Any, state0: dic
             buf1 = h["momentum"] * buf.double() + (1.0 - h["dampening"]) * d
             buf_abs = h["momentum"] * buf.double().abs() + (1.0 - h["dampening"]) * d_abs
         state = {"momentum_buffer": buf1, "momentum_buffer.bound": 6.0 * U32 * buf_abs}
-        if h["nesterov"]:
+        if present["nesterov"]:
             d, d_abs = d + h["momentum"] * buf1, d_abs + h["momentum"] * buf_abs
         else:
             d, d_abs = buf1, buf_abs
     p1 = p - h["lr"] * d
     bound = U32 * (2.0 * p.abs() + p1.abs() + 6.0 * h["lr"] * (d.abs() + d_abs))
     return p1, state, bound
+
+
+def _is_tensor(v: Any) -> bool:
+    return hasattr(v, "dim") and hasattr(v, "reshape")
 
 
 def unsupported_group(group: dict[str, Any], rule: Rule) -> str | None:

@@ -53,7 +53,7 @@ from .fingerprint import Fingerprint, changed, fingerprints
 from .groups import Groups
 from .host_snapshot import HostSnapshot
 from .invariants import compare_replicas, global_grad_norm
-from .oracle import BOUND_TEXT, Rule, expected_step, rule_of
+from .oracle import BOUND_TEXT, Rule, branches, expected_step, rule_of
 from .reference import GradReference, PlainReference, core_module
 from .report import Check
 from .rng_replay import RngReplay, unreplayable_reason
@@ -61,8 +61,12 @@ from .rng_replay import RngReplay, unreplayable_reason
 __all__ = ["StepVerifier", "named_trainable"]
 
 #: what of the pre-step snapshot lives in pinned host memory on CUDA (:mod:`.host_snapshot`): ``"main"`` (the
-#: main params) and optimizer state keys; the rest (the gradients, the other state) is copied on the device
-HOST_SNAPSHOT: tuple[str, ...] = ("main",)
+#: main params) and optimizer state keys; the rest (the gradients, the other state) is copied on the device.
+#: ``None`` (the default): all on the device where it fits in the device's free memory, else
+#: :data:`HOST_WHEN_SHORT` (the device part then costs 4 bytes per param element instead of 16; reading the host
+#: part back costs ~8 bytes per element over PCIe: measured on an H200, ``benchmarks/check_step_cost.py``).
+HOST_SNAPSHOT: tuple[str, ...] | None = None
+HOST_WHEN_SHORT: tuple[str, ...] = ("main", "exp_avg_sq")
 
 _HYPER_KEYS = ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov", "amsgrad", "maximize",
                "bias_correction")
@@ -373,18 +377,35 @@ class StepVerifier:
         """On CUDA, start copying the :data:`HOST_SNAPSHOT` part of the snapshot to the host (it overlaps the
         forward and backward; the values cannot change before the optimizer step, the fingerprints prove it)."""
         self._host = None
-        if self.device.type != "cuda" or not HOST_SNAPSHOT or self.view.unsupported:
+        if self.device.type != "cuda" or self.view.unsupported:
+            return
+        keys = HOST_SNAPSHOT if HOST_SNAPSHOT is not None else self._host_when_short()
+        if not keys:
             return
         tensors: dict[Any, Any] = {}
         for mp in self.view:
-            if "main" in HOST_SNAPSHOT:
+            if "main" in keys:
                 tensors[(id(mp), "main")] = mp.main
             state = _state_of(mp)
-            for key in HOST_SNAPSHOT:
+            for key in keys:
                 if key != "main" and _is_tensor(state.get(key)) and state[key].dim():
                     tensors[(id(mp), key)] = state[key]
         self._host = HostSnapshot(self.device)
         self._host.start(tensors)
+
+    def _host_when_short(self) -> tuple[str, ...]:
+        """``()`` if the whole snapshot fits in 90 % of the device memory free now (the forward's activations
+        and the reference are gone again when it is taken), else :data:`HOST_WHEN_SHORT`."""
+        import torch
+
+        need = 0
+        for mp in self.view:
+            need += mp.main.numel() * 4 + _nbytes(mp.finalized_grad())
+            need += sum(_nbytes(v) for v in _state_of(mp).values() if _is_tensor(v) and v.dim())
+        free = torch.cuda.mem_get_info(self.device)[0]
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        headroom = fused.FUSED_BLOCK * 8 * 4  # the update check's block-sized outputs and inputs
+        return () if need + headroom <= 0.9 * (free + cached) else HOST_WHEN_SHORT
 
     @own_tensor_math
     def _prints(self, model: bool = False) -> dict[int, list[Fingerprint]]:
@@ -753,9 +774,17 @@ class StepVerifier:
             seg = torch.repeat_interleave(torch.arange(len(block), device=p0.device), lengths)
         ids.append(torch.tensor([e for e, _lo, _hi in block], dtype=torch.int64))
         stride = res_stride(p0.numel())
+        # the numbers as device scalars: the compiled block is then not specialized to lr, scale or step
+        scalars = elements.device_scalars({**{f"h.{k}": v for k, v in hyper.items()},
+                                           "scale": coeff / self._loss_scale, "step": state0.get("step")},
+                                          p0.device)
+        present = branches(rule, hyper)
+        hyper = {k: scalars[f"h.{k}"] for k in hyper}
+        if "step" in state0:
+            state0["step"] = scalars["step"]
         worst, over, moment_over, changed, sample = fused.run(
-            elements.update_block, p0.device, rule, hyper, p0, grad, coeff / self._loss_scale, state0, got, now, seg,
-            len(block), stride)
+            elements.update_block, p0.device, elements.canonical(rule), hyper, p0, grad, scalars["scale"], state0,
+            got, now, seg, len(block), stride, present)
         t.see_resolution_sample(sample, stride)
         for k, (e, _lo, _hi) in enumerate(block):
             mp_id = id(entries[e][0])
