@@ -4,16 +4,18 @@ Resume: a run trains K steps, saves, trains M more (the uninterrupted run); a fr
 weights differ before the load) loads the checkpoint and trains M steps. Their weights, main params, both Adam
 moments, step counts and losses must be equal bit for bit. Configurations: DP=2 with the distributed optimizer
 (bf16, dropout, a scheduler) and without (fp32), TP=2 (sequence parallel, dropout), PP=2 with tied embeddings,
-MoE with EP=2 where the release has it. Then resharding (distributed optimizer <-> not, at DP=2; TP refused)
+MoE with EP=2 where the release has it. Then resharding (distributed optimizer <-> not, at DP=2; TP=2 <-> TP=1;
+a TP change refused for a checkpoint without the TP record)
 and bad input (nothing loaded after a refusal). ``run_all()`` returns plain data; the pytest side asserts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from _training_scenarios import apply_patches
@@ -188,7 +190,8 @@ def case_fault_dropped_moment() -> dict[str, Any]:
 
 def case_reshard() -> dict[str, Any]:
     """DP=2 distributed optimizer -> DP=2 plain and back: the loaded values equal the saved ones (per param);
-    a TP=2 build refuses the DP=2 checkpoint before loading anything."""
+    a TP=2 build refuses the DP=2 checkpoint whose manifest lacks the TP record (as written before TP resharding)
+    before loading anything."""
     import torch
     import torch.distributed as dist
 
@@ -211,6 +214,7 @@ def case_reshard() -> dict[str, Any]:
         mc.load_checkpoint(path, other.chunks, other.optimizer)
         out[f"{src}->{dst}"] = _diff(_full_state(other), full)
         other.release()
+    _strip_tp_record(path)  # as written before TP resharding: a TP change is refused
     tp = Run(_opts("tp2-sp-bf16", seed=7))
     before = tp.state()
     try:
@@ -223,8 +227,122 @@ def case_reshard() -> dict[str, Any]:
     return out
 
 
+def _strip_tp_record(path: str) -> None:
+    """Rank 0: drop the per-param TP record, as a checkpoint written before TP resharding lacks it."""
+    import torch.distributed as dist
+
+    from mcore_compat.checkpoint.manifest import TP_RECORD
+
+    if dist.get_rank() == 0:
+        os.remove(os.path.join(path, TP_RECORD))
+    dist.barrier()
+
+
+def _tp_opts(tp: int, **over: Any) -> Any:
+    """The GPT on the 2 ranks at TP=2 x DP=1 (sequence parallel) or TP=1 x DP=2; fp32, biases, no dropout,
+    distributed optimizer."""
+    return _opts("tp2-sp-bf16", tp=tp, dp=2 // tp, dtype="fp32", dropout=0.0, bias=True,
+                 sequence_parallel=tp > 1, **over)
+
+
+def _tp_unsupported() -> str | None:
+    from mcore_compat.selfcheck.models import unsupported_reason
+
+    return unsupported_reason(_tp_opts(2)) or unsupported_reason(_tp_opts(1))
+
+
+def _tp_dump(run: Run, file: str) -> None:
+    """Save this rank's values (weights; main params, moments and step gathered over DP) with each param's shape
+    and Megatron's TP attributes as set on the live param (tensor_parallel/layers.py) to ``file``."""
+    import torch
+
+    from mcore_compat.layout.read import unwrap
+
+    attrs = {f"{i}.{n}": [int(getattr(p, "partition_dim", -1)) if getattr(p, "tensor_model_parallel", False) else -1,
+                          int(getattr(p, "partition_stride", 1)), list(p.shape)]
+             for i, c in enumerate(run.chunks) for n, p in unwrap(c).named_parameters()}
+    torch.save({"values": _full_state(run), "attrs": attrs}, file)
+
+
+@contextlib.contextmanager
+def _gated() -> Iterator[None]:
+    """Models built meanwhile have a gated MLP (``gated_linear_unit``): each TP rank's ``linear_fc1`` holds
+    [gate shard; up shard], Megatron's partition_stride 2 layout (transformer/mlp.py)."""
+    from mcore_compat.selfcheck import models
+
+    plain = models.transformer_config
+    models.transformer_config = lambda opts: dataclasses.replace(plain(opts), gated_linear_unit=True)
+    try:
+        yield
+    finally:
+        models.transformer_config = plain
+
+
+def case_reshard_tp() -> dict[str, Any]:
+    """Saved at TP=2 after 2 steps, loaded into a fresh TP=1 build (other seed), and TP=1 -> TP=2: each rank dumps
+    its values at save and after the load (and the checkpoint is kept) for the test to reassemble with torch.cat;
+    step 3 from the loaded state next to the saved run's step 3 (the same batch on DP rank 0); a refused TP load (a
+    vocabulary of another size: embedding shapes that do not tile) leaves the values unchanged; and a gated MLP
+    (partition_stride 2) TP=2 -> TP=1, checked by its step-3 loss."""
+    import torch.distributed as dist
+
+    import mcore_compat as mc
+    from mcore_compat.selfcheck import models
+
+    assert _KEEP is not None
+    rank = dist.get_rank()
+    out: dict[str, Any] = {"status": "ok"}
+    for src, dst in ((2, 1), (1, 2)):
+        tag = f"tp{src}-tp{dst}"
+        path = _shared_dir(f"reshard-{tag}")
+        run = Run(_tp_opts(src))
+        run.step(), run.step()
+        mc.save_checkpoint(path, run.chunks, run.optimizer, iteration=2)
+        _tp_dump(run, os.path.join(_KEEP, f"{tag}.saved.rank{rank}.pt"))
+        next_loss = run.step()  # data-parallel rank 0's loss of step 3 at the saved TP size
+        run.release()
+        other = Run(_tp_opts(dst, seed=99))
+        other.opts = _tp_opts(dst)  # the same data as the saved run
+        loaded = mc.load_checkpoint(path, other.chunks, other.optimizer)
+        _tp_dump(other, os.path.join(_KEEP, f"{tag}.loaded.rank{rank}.pt"))
+        out[tag] = {"rng_restored": loaded.rng_restored, "iteration": loaded.iteration, "next_loss": next_loss,
+                    "loss": other.step()}  # step 3 from the loaded state: the same batch on DP rank 0
+        other.release()
+        if rank == 0:
+            shutil.copytree(path, os.path.join(_KEEP, tag), dirs_exist_ok=True)
+        dist.barrier()
+        if src == 2:
+            vocab, models.VOCAB = models.VOCAB, models.VOCAB + 2  # another (padded) vocabulary at TP=1
+            try:
+                bad = Run(_tp_opts(1, seed=98))
+            finally:
+                models.VOCAB = vocab
+            before = bad.state()
+            try:
+                mc.load_checkpoint(path, bad.chunks, bad.optimizer)
+                out["vocab_refusal"] = None
+            except mc.CheckpointError as exc:
+                out["vocab_refusal"] = f"{type(exc).__name__}: {exc}"
+            out["vocab_unchanged"] = _diff(bad.state(), before)
+            bad.release()
+    with _gated():  # TP=2 -> TP=1 of a stride-2 layout: step 3 from the loaded state computes the same loss
+        path = _shared_dir("reshard-gated")
+        run = Run(_tp_opts(2))
+        run.step(), run.step()
+        mc.save_checkpoint(path, run.chunks, run.optimizer)
+        next_loss = run.step()
+        run.release()
+        other = Run(_tp_opts(1, seed=99))
+        other.opts = _tp_opts(1)
+        mc.load_checkpoint(path, other.chunks, other.optimizer)
+        out["gated-tp2-tp1"] = {"next_loss": next_loss, "loss": other.step()}
+        other.release()
+    return out
+
+
 def _full_state(run: Run, optimizer: bool = True) -> dict[str, Any]:
-    """Weights, and per param the full main param and moments gathered over the data-parallel ranks."""
+    """Weights, and per param the full main param and moments gathered over the data-parallel ranks (this TP
+    rank's shard of them)."""
     import torch
     import torch.distributed as dist
 
@@ -248,9 +366,13 @@ def _full_state(run: Run, optimizer: bool = True) -> dict[str, Any]:
             pieces[f"{what}:{mp.name}"][lo:lo + t.numel()] = t.detach().reshape(-1).float()
         pieces[f"step:{mp.name}"][0] = float(st["step"])
     sharded = any(mp.sharded for mp in views)
+    from mcore_compat.training._common import parallel_state
+
+    group = parallel_state().get_data_parallel_group()  # the ranks the optimizer shards over (not the TP ranks)
     for k in sorted(pieces):
         if sharded:
-            dist.all_reduce(pieces[k], op=dist.ReduceOp.MAX if k.startswith("step:") else dist.ReduceOp.SUM)
+            dist.all_reduce(pieces[k], op=dist.ReduceOp.MAX if k.startswith("step:") else dist.ReduceOp.SUM,
+                            group=group)
         out[k] = pieces[k]
     return out
 
@@ -334,6 +456,7 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
         out[f"resume-{name}"] = (lambda n=name: case_resume(n))
     out["fault-dropped-moment"] = case_fault_dropped_moment
     out["reshard"] = case_reshard
+    out["reshard-tp"] = case_reshard_tp
     out["bad-input"] = case_bad_input
     return out
 
@@ -387,6 +510,8 @@ def run_all(only: tuple[str, ...] = (), keep: str | None = None) -> dict[str, An
             continue
         config = name.removeprefix("resume-")
         why = unsupported(config) if config in CONFIGS else None
+        if name == "reshard-tp":
+            why = _tp_unsupported()
         if why is not None:
             results[name] = {"status": "unsupported", "reason": why}
             continue

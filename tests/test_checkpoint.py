@@ -92,3 +92,100 @@ def test_bad_checkpoint_refused_and_nothing_loaded(results: dict[str, Any], tag:
         assert "\n" not in r[tag]
         unchanged = r["unchanged"] if tag not in ("other_model", "other_dtype") else r[f"{tag}_unchanged"]
         assert unchanged == [], unchanged
+
+
+def _shard_values(ckpt: Path, tp: int) -> dict[str, Any]:
+    """TP rank ``tp``'s values read straight from the checkpoint's rank files: each model tensor, and per param
+    the main param, both moments (flattened ranges of the data-parallel ranks concatenated) and the step."""
+    import json
+
+    import torch
+
+    manifest = json.loads((ckpt / "mcore_compat_checkpoint.json").read_text())
+    files = [torch.load(ckpt / f["name"], weights_only=True) for f in manifest["files"] if f["coords"]["tp"] == tp]
+    out: dict[str, Any] = {f"model:0.{k}": v.float() for k, v in files[0]["model"][0].items()
+                           if isinstance(v, torch.Tensor)}
+    records: dict[str, list[dict[str, Any]]] = {}
+    for f in files:
+        for r in f["optimizer"]["params"]:
+            records.setdefault(r["key"], []).append(r)
+    for key, rs in records.items():
+        rs = sorted({r["start"] or 0: r for r in rs}.values(), key=lambda r: r["start"] or 0)  # DP replicas once
+        out[f"main:{key}"] = torch.cat([r["main"].reshape(-1) for r in rs]).float()
+        for what in ("exp_avg", "exp_avg_sq"):
+            out[f"{what}:{key}"] = torch.cat([r["state"][what].reshape(-1) for r in rs]).float()
+        out[f"step:{key}"] = float(rs[0]["state"]["step"])
+    return out
+
+
+def _cat_tp(per_rank: list[dict[str, Any]], attrs: dict[str, list[Any]]) -> dict[str, Any]:
+    """The TP=1 values of TP shards ``per_rank``: torch.cat along Megatron's partition_dim (``attrs``: dim, stride,
+    shard shape per param, read from the live TP=2 params); duplicated tensors from TP rank 0."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for k, v in per_rank[0].items():
+        what, _, name = k.partition(":")
+        dim, stride, shape = attrs.get(name, [-1, 1, None])
+        assert stride == 1, (name, stride)  # the test model has no strided (gated) layout
+        if dim < 0 or not isinstance(v, torch.Tensor) or what == "step":
+            out[k] = v
+        else:
+            out[k] = torch.cat([r[k].reshape(shape) for r in per_rank], dim)
+            if what != "model":
+                out[k] = out[k].reshape(-1)
+    return out
+
+
+def _differ(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The keys whose values are not bit-equal (a step as a float: ``_full_state`` keeps it in a tensor's first
+    element)."""
+    import torch
+
+    a, b = ({k: float(v.reshape(-1)[0]) if k.startswith("step:") and isinstance(v, torch.Tensor) else v
+             for k, v in d.items()} for d in (a, b))
+    keys = sorted(set(a) | set(b))
+    return [k for k in keys if k not in a or k not in b
+            or not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else float(a[k]) == float(b[k]))]
+
+
+@pytest.mark.mcore
+def test_reshard_tp(results: dict[str, Any], keep: Path) -> None:
+    """TP=2 -> TP=1 and TP=1 -> TP=2 (2 steps trained, distributed optimizer, sequence parallel at TP=2, biases):
+    weights, main params, both moments and step after the load equal the saved shards joined with torch.cat along
+    Megatron's partition_dim (or the saved whole cut the same way), bit for bit; the RNG states are not restored;
+    step 3 from the loaded state computes the saved run's step-3 loss (also for a gated MLP, Megatron's
+    partition_stride 2 layout). A TP=1 model with another vocabulary size is refused naming the embedding, unchanged."""
+    import torch
+
+    per_rank = _case(results, "reshard-tp")
+    for tag in ("tp2-tp1", "tp1-tp2", "gated-tp2-tp1"):  # DP rank 0 (global rank 0) computes step 3's loss on the same batch with the
+        r = per_rank[0][tag]            # same weights at either TP size: equal up to the reduction order
+        assert abs(r["loss"] - r["next_loss"]) <= 1e-5 * abs(r["next_loss"]), r
+    for r in per_rank:
+        for tag in ("tp2-tp1", "tp1-tp2"):
+            assert r[tag]["rng_restored"] is False and r[tag]["iteration"] == 2, r[tag]
+        assert r["vocab_refusal"] and r["vocab_refusal"].startswith("CheckpointReshardError") \
+            and "embedding.word_embeddings.weight" in r["vocab_refusal"] and "vocabulary" in r["vocab_refusal"] \
+            and "TP=2" in r["vocab_refusal"] and "\n" not in r["vocab_refusal"], r["vocab_refusal"]
+        assert r["vocab_unchanged"] == [], r["vocab_unchanged"]
+
+    def dump(tag: str, kind: str, rank: int) -> dict[str, Any]:
+        return torch.load(keep / f"{tag}.{kind}.rank{rank}.pt", weights_only=True)
+
+    # TP=2 -> TP=1: the shards in the checkpoint's files, joined, are what both TP=1 (DP) ranks hold
+    attrs2 = dump("tp2-tp1", "saved", 0)["attrs"]
+    joined = _cat_tp([_shard_values(keep / "tp2-tp1", t) for t in (0, 1)], attrs2)
+    for rank in (0, 1):
+        loaded = dump("tp2-tp1", "loaded", rank)["values"]
+        assert _differ(loaded, joined) == [], _differ(loaded, joined)
+    # and the checkpoint's files hold what the TP=2 ranks had at save
+    for t in (0, 1):
+        saved = dump("tp2-tp1", "saved", t)["values"]
+        assert _differ(_shard_values(keep / "tp2-tp1", t), saved) == []
+    # TP=1 -> TP=2: the two TP=2 ranks' loaded shards, joined, are the TP=1 checkpoint's values
+    attrs2 = dump("tp1-tp2", "loaded", 0)["attrs"]
+    joined = _cat_tp([dump("tp1-tp2", "loaded", t)["values"] for t in (0, 1)], attrs2)
+    whole = _shard_values(keep / "tp1-tp2", 0)
+    assert _differ(joined, whole) == [], _differ(joined, whole)
+    assert sum(1 for k in whole if k.startswith("exp_avg_sq:")) >= 8

@@ -98,3 +98,43 @@ def test_strict_names(tmp_path: Path) -> None:
         mc.load_checkpoint(path, target)
     mc.load_checkpoint(path, target, strict=False)
     assert torch.equal(target[0].weight, _model(0)[0].weight) and torch.equal(target.stat, torch.ones(2))
+
+
+def test_manifest_records_tp_splits(tmp_path: Path) -> None:
+    """Every parameter's split over TP is recorded beside the manifest (a file of its own: the manifest keeps the
+    fields an earlier mcore_compat reads); a plain module's params are duplicated (dim -1)."""
+    root = _saved(tmp_path)
+    assert "tensor_parallel" not in json.loads((root / man.MANIFEST).read_text())
+    record = {"pp0": {f"0.{n}": [-1, 1] for n, _ in _model(0).named_parameters()}}
+    assert json.loads((root / man.TP_RECORD).read_text()) == record
+    assert man.read_manifest(root).tensor_parallel == record
+
+
+def test_tp_reshard_gated_layout() -> None:
+    """Megatron's partition_stride layout (tensor_parallel/layers.py ``_initialize_affine_weight_cpu``; a gated
+    MLP's fc1 holds [gate shard; up shard] per TP rank): TP=2 shards -> TP=1 and back, exactly."""
+    from mcore_compat.checkpoint.tp import Split, reshard
+
+    gate, up = torch.arange(8.0).reshape(4, 2), 100 + torch.arange(8.0).reshape(4, 2)
+    full = torch.cat([gate, up])
+    shards = [torch.cat([gate[:2], up[:2]]), torch.cat([gate[2:], up[2:]])]
+    split = Split(0, 2)
+    assert torch.equal(reshard("fc1", shards, split, split, 0, 1, (8, 2), "hint"), full)
+    for rank in (0, 1):
+        assert torch.equal(reshard("fc1", [full], split, split, rank, 2, (4, 2), "hint"), shards[rank])
+    row = Split(1, 1)  # a row-parallel weight: split on the input dim
+    assert torch.equal(reshard("proj", [full[:, :1], full[:, 1:]], row, row, 0, 1, (8, 2), "hint"), full)
+
+
+def test_tp_reshard_refusals() -> None:
+    """Shapes that do not tile (a vocabulary padded to another size), splits that differ, per-rank buffers."""
+    from mcore_compat.checkpoint import CheckpointReshardError
+    from mcore_compat.checkpoint.tp import Split, reshard, same_copies
+
+    shards = [torch.zeros(32, 4), torch.zeros(32, 4)]
+    with pytest.raises(CheckpointReshardError, match=r"^emb: .*\[64, 4\].*\[66, 4\].*vocabulary.*resume at TP=2$"):
+        reshard("emb", shards, Split(0), Split(0), 0, 1, (66, 4), "resume at TP=2")
+    with pytest.raises(CheckpointReshardError, match=r"split on dim 0.*split on dim 1"):
+        reshard("w", shards, Split(0), Split(1), 0, 4, (16, 4), "resume at TP=2")
+    with pytest.raises(CheckpointReshardError, match="copies on the checkpoint's TP ranks differ"):
+        same_copies("amax", [torch.zeros(2), torch.ones(2)], "resume at TP=2")

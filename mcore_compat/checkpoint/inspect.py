@@ -14,8 +14,9 @@ __all__ = ["inspect_checkpoint", "render"]
 
 #: Who can load which part of a checkpoint of this format (the format is the same on every release).
 LOADABLE = {
-    "weights": "every release 0.4-0.19 whose model has the same parameter names and shapes, at the same TP, PP, "
-               "EP and virtual-stage layout (any data-parallel size)",
+    "weights": "every release 0.4-0.19 whose model has the same parameter names and shapes, at the same PP, EP and "
+               "virtual-stage layout (any data-parallel size; another TP size when the manifest records the "
+               "params' TP splits and the model has no experts)",
     "optimizer": "the same, into a distributed or non-distributed optimizer of any data-parallel size (main params, "
                  "both Adam moments and step reassembled per parameter)",
 }

@@ -4,8 +4,10 @@ that every plan is sound, and only then are values written into the model, the o
 A refusal on any rank is raised on every rank (its message names the rank) and leaves every rank's model and
 optimizer as they were. Resharding: the optimizer's records are keyed by model parameter and flattened range
 (:mod:`.state`), so they are reassembled per parameter and cut to this rank's range: a checkpoint loads at
-another data-parallel size and with or without the distributed optimizer, exactly; another TP / PP / EP /
-virtual-stage layout is refused before anything is read into the model.
+another data-parallel size and with or without the distributed optimizer, exactly; at another TP size the saved TP
+shards of each parameter (weights, main params, moments) are joined and cut to this rank's piece as the manifest's
+per-param record says (:mod:`.tp`), exactly; another PP / EP / virtual-stage layout is refused before anything is
+read into the model.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .errors import (
 from .manifest import FORMAT, Manifest, ShardFile, read_manifest
 from .save import _gather
 from .state import leaves, main_params, named_params, param_key, restore_rng
+from .tp import Split, reshard, same_copies, splits
 
 __all__ = ["LoadedCheckpoint", "load_checkpoint"]
 
@@ -95,20 +98,70 @@ def _read_shard(root: Path, shard: ShardFile) -> dict[str, Any]:
 
 
 def _check_layout(root: Path, manifest: Manifest, where: Coords) -> None:
+    """Refuse a PP / EP / virtual-stage change, and a TP change this checkpoint cannot make (see :mod:`.tp`)."""
     mine = where.layout()
     differ = [f"{label} {manifest.layout[k]} -> {mine[k]}" for k, label in _FIXED_DIMS if manifest.layout[k] != mine[k]]
-    if differ:
+    tp_only = len(differ) == 1 and differ[0].startswith("TP")
+    if tp_only and manifest.tensor_parallel is None:
+        raise CheckpointReshardError(
+            f"{root} was saved at {manifest.layout_text()}; this job differs in {differ[0]}, and the mcore_compat "
+            f"that wrote it ({manifest.mcore_compat}) did not record how each param is split over TP, which a TP "
+            f"change of the {FORMAT} format needs: load it at TP={manifest.layout['tp']}, save it again with this "
+            f"mcore_compat, then load that at TP={mine['tp']}")
+    if differ and not tp_only:
+        keep_tp = "" if manifest.tensor_parallel is not None else f"TP={manifest.layout['tp']} "
         raise CheckpointReshardError(
             f"{root} was saved at {manifest.layout_text()}; this job differs in {', '.join(differ)}. The {FORMAT} "
-            f"format reshards over data-parallel size (and distributed optimizer on/off) only: resume with "
-            f"TP={manifest.layout['tp']} PP={manifest.layout['pp']} EP={manifest.layout['ep']} "
-            f"VPP={manifest.layout['vpp']}, or export full weights for another layout with mcore_compat.gather_full")
+            f"format reshards over tensor- and data-parallel size (and distributed optimizer on/off) only: resume "
+            f"with {keep_tp}PP={manifest.layout['pp']} EP={manifest.layout['ep']} VPP={manifest.layout['vpp']}, or "
+            f"export full weights for another layout with mcore_compat.gather_full")
 
 
-def _model_copies(plan: _Plan, chunks: list[Any], saved: list[dict[str, Any]], strict: bool, source: str) -> None:
-    if len(saved) != len(chunks):
-        raise CheckpointMismatchError(f"{source} holds {len(saved)} model chunk(s), the model has {len(chunks)}")
-    for i, (chunk, state) in enumerate(zip(chunks, saved, strict=True)):
+@dataclass(frozen=True)
+class _TpChange:
+    """A load at another TP size (:mod:`.tp`): the splits recorded for this pipeline stage, the loading model's,
+    this rank's TP rank and size, and the way out that ends each refusal."""
+
+    saved: dict[str, Split]
+    mine: dict[str, Split]
+    rank: int
+    size: int
+    hint: str
+
+    def piece(self, key: str, pieces: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+        """This rank's value of ``key`` (``"<chunk>.<name>"``) from the saved TP ranks' ``pieces``."""
+        src, dst = self.saved.get(key), self.mine.get(key)
+        if src is None and dst is None:  # not a parameter: a buffer or a layer's extra state
+            return same_copies(key, pieces, self.hint)
+        if src is None or dst is None:
+            raise CheckpointReshardError(f"{key}: a parameter in the {'model' if src is None else 'checkpoint'} "
+                                         f"only, so its split over TP is unknown; {self.hint}")
+        return reshard(key, pieces, src, dst, self.rank, self.size, shape, self.hint)
+
+
+def _tp_change(root: Path, manifest: Manifest, chunks: list[Any], where: Coords) -> _TpChange | None:
+    """``None`` at the saved TP size; else what a TP change needs, refusing expert params (their layout over
+    expert-tensor-parallel ranks is not resharded)."""
+    saved_tp = manifest.layout["tp"]
+    if saved_tp == where.tp_size:
+        return None
+    hint = f"resume at TP={saved_tp} (or export full weights with mcore_compat.gather_full)"
+    experts = sorted(n for p, n in named_params(chunks).items() if is_expert(p))
+    if experts:
+        raise CheckpointReshardError(f"{experts[0]}: an expert param (allreduce=False); experts are not resharded "
+                                     f"over TP {saved_tp} -> {where.tp_size}: {hint}")
+    record = (manifest.tensor_parallel or {}).get(f"pp{where.pp}", {})
+    saved = {k: Split(int(v[0]), int(v[1])) for k, v in record.items()}
+    return _TpChange(saved, splits(chunks), where.tp, where.tp_size, hint)
+
+
+def _model_copies(plan: _Plan, chunks: list[Any], saved: list[list[dict[str, Any]]], strict: bool, source: str,
+                  tp: _TpChange | None) -> None:
+    """Plan the copies of every model tensor; ``saved``: the model state of each saved TP rank (one entry when
+    the TP size is unchanged)."""
+    if len(saved[0]) != len(chunks):
+        raise CheckpointMismatchError(f"{source} holds {len(saved[0])} model chunk(s), the model has {len(chunks)}")
+    for i, (chunk, state) in enumerate(zip(chunks, saved[0], strict=True)):
         target = unwrap(chunk).state_dict(keep_vars=True)
         tensors = {k: v for k, v in target.items() if isinstance(v, torch.Tensor)}
         stored = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
@@ -120,6 +173,12 @@ def _model_copies(plan: _Plan, chunks: list[Any], saved: list[dict[str, Any]], s
                 f"{' ...' if len(unexpected) > 5 else ''} (strict=False loads the names both have)")
         for name in sorted(set(tensors) & set(stored)):
             dest, src = tensors[name], stored[name]
+            if tp is not None:
+                pieces = [s[i].get(name) for s in saved]
+                held = [p for p in pieces if isinstance(p, torch.Tensor)]
+                if len(held) != len(pieces):
+                    raise CheckpointFormatError(f"chunk {i} {name} is missing from a TP rank's shard of the checkpoint")
+                src = tp.piece(f"{i}.{name}", held, tuple(dest.shape))
             if dest.shape != src.shape or dest.dtype != src.dtype:
                 raise CheckpointMismatchError(
                     f"chunk {i} {name}: the checkpoint has {src.dtype} {tuple(src.shape)}, the model "
@@ -150,37 +209,55 @@ def _state_of(name: str) -> Callable[[dict[str, Any]], Any]:
     return lambda record: record["state"][name]
 
 
-def _optimizer_plan(plan: _Plan, chunks: list[Any], optimizer: Any, shards: list[dict[str, Any]],
-                    source: dict[str, Any], where: Coords, strict: bool) -> None:
-    index: dict[str, list[dict[str, Any]]] = {}
+def _by_tp(shards: list[dict[str, Any]]) -> dict[int, dict[str, list[dict[str, Any]]]]:
+    """``{saved TP rank: {key: records}}`` of the optimizer records of ``shards``."""
+    index: dict[int, dict[str, list[dict[str, Any]]]] = {}
     for shard in shards:
         for record in shard["optimizer"]["params"]:
-            index.setdefault(record["key"], []).append(record)
+            index.setdefault(shard["coords"]["tp"], {}).setdefault(record["key"], []).append(record)
+    return index
+
+
+def _optimizer_plan(plan: _Plan, chunks: list[Any], optimizer: Any, shards: list[dict[str, Any]],
+                    source: dict[str, Any], where: Coords, strict: bool, tp: _TpChange | None,
+                    models: list[list[dict[str, Any]]]) -> None:
+    """Plan the optimizer's values; ``models``: the model state of each saved TP rank (for the shard shapes)."""
+    by_tp = _by_tp(shards)
+    tp_ranks = [where.tp] if tp is None else list(range(len(models)))
+    index = by_tp.get(tp_ranks[0], {})
     cache: dict[tuple[str, str], torch.Tensor] = {}
 
-    def full(key: str, what: str, get: Callable[[dict[str, Any]], Any]) -> torch.Tensor:
+    def full(key: str, what: str, get: Callable[[dict[str, Any]], Any], shape: tuple[int, ...]) -> torch.Tensor:
+        """The flattened value of this rank's whole param (of ``shape``; before the cut to its range)."""
         if (key, what) not in cache:
-            cache[key, what] = _assemble(key, index[key], get)
+            if tp is None:
+                cache[key, what] = _assemble(key, index[key], get)
+            else:
+                chunk, _, name = key.partition(".")
+                pieces = [_assemble(key, by_tp[t][key], get).reshape(models[t][int(chunk)][name].shape)
+                          for t in tp_ranks]
+                cache[key, what] = tp.piece(key, pieces, shape).reshape(-1)
         return cache[key, what]
 
     for mp in main_params(chunks, optimizer):
         key = param_key(mp, where)
         records = index.get(key)
-        if not records:
+        if not records or any(key not in by_tp.get(t, {}) for t in tp_ranks):
             raise CheckpointMismatchError(f"the checkpoint has no optimizer state for {mp.name} (a param the "
                                           "checkpoint's model did not train)")
-        if records[0]["numel"] != mp.model.numel():
+        if tp is None and records[0]["numel"] != mp.model.numel():
             raise CheckpointMismatchError(f"{mp.name}: {records[0]['numel']} elements in the checkpoint, "
                                           f"{mp.model.numel()} in the model")
         lo, hi = (0, mp.model.numel()) if mp.start is None else (mp.start, mp.end)
-        main = full(key, "main", lambda r: r["main"])[lo:hi]
+        shape = tuple(mp.model.shape)
+        main = full(key, "main", lambda r: r["main"], shape)[lo:hi]
         plan.copies.append((mp.main.detach(), main.reshape(mp.main.shape).to(mp.main.dtype)))
         current = mp.inner.state.get(mp.main, {})
         state: dict[str, Any] = {}
         for name, value in records[0]["state"].items():
             if isinstance(value, torch.Tensor) and value.numel() == (records[0]["end"] or records[0]["numel"]) \
                     - (records[0]["start"] or 0) and value.dim() > 0:
-                part = full(key, name, _state_of(name))[lo:hi]
+                part = full(key, name, _state_of(name), shape)[lo:hi]
                 state[name] = part.reshape(mp.main.shape).to(device=mp.main.device, dtype=value.dtype).clone()
             elif isinstance(value, torch.Tensor):
                 device = current[name].device if isinstance(current.get(name), torch.Tensor) else value.device
@@ -189,7 +266,7 @@ def _optimizer_plan(plan: _Plan, chunks: list[Any], optimizer: Any, shards: list
                 state[name] = value
         plan.states.append((mp.inner, mp.main, state))
     trained = {f"{n}@ep{where.ep}" if is_expert(p) else n for p, n in named_params(chunks).items() if p.requires_grad}
-    mine = {k for k in index if "@ep" not in k or k.endswith(f"@ep{where.ep}")}
+    mine = {k for t in tp_ranks for k in by_tp.get(t, {}) if "@ep" not in k or k.endswith(f"@ep{where.ep}")}
     if strict and mine - trained:
         extra = sorted(mine - trained)
         raise CheckpointMismatchError(f"the checkpoint has optimizer state for params this optimizer does not "
@@ -214,28 +291,50 @@ def _optimizer_plan(plan: _Plan, chunks: list[Any], optimizer: Any, shards: list
                             if s is not None and st is not None)
 
 
+def _model_files(root: Path, manifest: Manifest, where: Coords, tp: _TpChange | None) -> list[ShardFile]:
+    """The files holding this rank's model state: its own TP rank's (this rank's own file first when the layout is
+    the same), or at a TP change one per saved TP rank, in TP order."""
+    stage = [f for f in manifest.files if f.coords["pp"] == where.pp and f.coords["ep"] == where.ep]
+    if tp is None:
+        files = [f for f in stage if f.coords["tp"] == where.tp]
+        own = [f for f in files if manifest.layout == where.layout() and f.coords == where.as_dict()]
+        files = (own + [f for f in files if f not in own])[:1]
+    else:
+        first: dict[int, ShardFile] = {}
+        for f in stage:
+            first.setdefault(f.coords["tp"], f)
+        files = [first[t] for t in range(manifest.layout["tp"]) if t in first]
+        if len(files) != manifest.layout["tp"]:
+            files = []
+    if not files:
+        raise CheckpointFormatError(f"{root} has no shard for TP rank {where.tp if tp is None else 'each'}, PP rank "
+                                    f"{where.pp}, EP rank {where.ep}")
+    return files
+
+
 def _plan(root: Path, chunks: list[Any], optimizer: Any, scheduler: Any, strict: bool, where: Coords) -> _Plan:
     manifest = read_manifest(root)
     _check_layout(root, manifest, where)
-    ours = [f for f in manifest.files if f.coords["tp"] == where.tp and f.coords["pp"] == where.pp]
-    model_files = [f for f in ours if f.coords["ep"] == where.ep]
-    if not model_files:
-        raise CheckpointFormatError(f"{root} has no shard for TP rank {where.tp}, PP rank {where.pp}, EP rank "
-                                    f"{where.ep}")
-    same = manifest.layout == where.layout()
-    own = next((f for f in model_files if same and f.coords == where.as_dict()), None)
-    source_file = own or model_files[0]
-    shards = {f.name: _read_shard(root, f) for f in (ours if optimizer is not None else [source_file])}
+    tp = _tp_change(root, manifest, chunks, where)
+    model_files = _model_files(root, manifest, where, tp)
+    source_file = model_files[0]
+    own = source_file if source_file.coords == where.as_dict() and manifest.layout == where.layout() else None
+    wanted = list(model_files)
+    if optimizer is not None:
+        wanted += [f for f in manifest.files if f.coords["pp"] == where.pp and f not in wanted
+                   and (tp is not None or f.coords["tp"] == where.tp)]
+    shards = {f.name: _read_shard(root, f) for f in wanted}
     source = shards[source_file.name]
+    models = [shards[f.name]["model"] for f in model_files]
     plan = _Plan()
-    _model_copies(plan, chunks, source["model"], strict, source_file.name)
+    _model_copies(plan, chunks, models, strict, source_file.name, tp)
     if optimizer is not None:
         if source["optimizer"] is None:
             if strict:
                 raise CheckpointMismatchError(f"{root} holds no optimizer state (saved without an optimizer): load "
                                               "the weights with load_checkpoint(path, chunks)")
         else:
-            _optimizer_plan(plan, chunks, optimizer, list(shards.values()), source, where, strict)
+            _optimizer_plan(plan, chunks, optimizer, list(shards.values()), source, where, strict, tp, models)
     if scheduler is not None:
         if source["scheduler"] is None:
             if strict:
@@ -291,14 +390,17 @@ def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
     Each error below is raised on every rank when any rank refuses; nothing is loaded then.
 
     Returns:
-        A :class:`LoadedCheckpoint` (iteration, this rank's extra, manifest, whether RNG states were restored).
+        A :class:`LoadedCheckpoint` (iteration, this rank's extra, manifest, whether RNG states were restored: not
+        after a TP or DP change).
 
     Raises:
         CheckpointFormatError: not a (complete) checkpoint of this format: no manifest, a shard missing or
             truncated.
         CheckpointInProgressError: another process is writing it (or died doing so).
         CheckpointMismatchError: it does not fit the model / optimizer / scheduler.
-        CheckpointReshardError: saved at another TP, PP, EP or virtual-stage layout.
+        CheckpointReshardError: saved at another PP, EP or virtual-stage layout, or at another TP size that this
+            checkpoint or model cannot be resharded to (no per-param TP record, experts, shapes that do not tile,
+            e.g. another vocabulary padding).
     """
     chunk_list = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     where = coords(len(chunk_list))

@@ -3,6 +3,10 @@
 A checkpoint directory holds one ``rank_<global rank>.pt`` per rank and the manifest, written last by rank 0:
 the format, the mcore_compat / megatron-core / torch versions that wrote it, the parallel layout (TP, PP, DP, EP,
 virtual stages), whether it holds optimizer and scheduler state, and every shard file with its coordinates and size.
+Beside it, :data:`TP_RECORD` (absent from checkpoints written before TP resharding; a file of its own, so that an
+mcore_compat that predates it still reads the manifest) says per pipeline stage how each parameter is split over
+TP: ``{"pp<rank>": {"<chunk>.<param name>": [partition dim, stride]}}``, dim ``-1`` when duplicated (:mod:`.tp`);
+:func:`read_manifest` puts it in :attr:`Manifest.tensor_parallel`.
 The marker (``.mcore_compat_writing``) is created before anything else is written and removed after the
 manifest: a directory with the marker is being written (or its writer died), one without a manifest is no
 checkpoint of ours.
@@ -27,6 +31,7 @@ FORMAT = "mcore_compat.torch"
 FORMAT_VERSION = 1
 MANIFEST = "mcore_compat_checkpoint.json"
 MARKER = ".mcore_compat_writing"
+TP_RECORD = "mcore_compat_tensor_parallel.json"
 
 
 def shard_name(rank: int) -> str:
@@ -59,6 +64,7 @@ class Manifest:
     iteration: int | None
     files: list[ShardFile] = field(default_factory=list)
     optimizer_format: str = "per-param"
+    tensor_parallel: dict[str, dict[str, list[int]]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,6 +118,9 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     try:
         data = json.loads(manifest.read_text(encoding="utf-8"))
         data["files"] = [ShardFile(**f) for f in data["files"]]
+        record = root / TP_RECORD
+        if record.is_file():
+            data["tensor_parallel"] = json.loads(record.read_text(encoding="utf-8"))
         found = Manifest(**data)
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise CheckpointFormatError(f"unreadable {MANIFEST} in {root}: {exc}") from None
@@ -133,5 +142,8 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
 
 
 def manifest_dict(**kwargs: Any) -> dict[str, Any]:
-    """A manifest's JSON dict from :class:`Manifest`'s fields (``files`` as :class:`ShardFile`)."""
-    return Manifest(**kwargs).to_json()
+    """A manifest's JSON dict from :class:`Manifest`'s fields (``files`` as :class:`ShardFile`), without
+    ``tensor_parallel`` (written to :data:`TP_RECORD`)."""
+    data = Manifest(**kwargs).to_json()
+    data.pop("tensor_parallel", None)
+    return data

@@ -23,12 +23,14 @@ from .manifest import (
     FORMAT_VERSION,
     MANIFEST,
     MARKER,
+    TP_RECORD,
     ShardFile,
     manifest_dict,
     shard_name,
     write_json,
 )
 from .state import capture_rng, check_plain, model_state, optimizer_state
+from .tp import split_record
 
 __all__ = ["save_checkpoint"]
 
@@ -77,6 +79,16 @@ def _distributed_optimizer(chunks: list[Any]) -> bool:
     return any(getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False) for c in chunks)
 
 
+def _tensor_parallel(entries: list[dict[str, Any]]) -> dict[str, dict[str, list[int]]]:
+    """The manifest's ``tensor_parallel``: per pipeline stage (``"pp<rank>"``), the split record
+    (:func:`.tp.split_record`) of its first TP / DP / EP rank (the others hold the same names and splits); taken out
+    of ``entries``."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for e in entries:
+        out.setdefault(f"pp{e['coords']['pp']}", {}).update(e.pop("splits"))
+    return out
+
+
 def _payload(chunks: list[Any], optimizer: Any, scheduler: Any, extra: Any, iteration: int | None,
              where: Coords) -> dict[str, Any]:
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "coords": where.as_dict(),
@@ -93,7 +105,8 @@ def save_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
 
     The format (``mcore_compat.torch``, :mod:`.manifest`) is the same on every release 0.4 ... 0.19: per-rank
     torch files of plain tensors, the optimizer's main params and moments stored per model parameter and
-    flattened range, so that a load reshards them over data-parallel size and reads them on another release.
+    flattened range, so that a load reshards them over data-parallel size and reads them on another release; the
+    manifest records each parameter's split over TP (:mod:`.tp`), so that a load reshards over TP size too.
 
     Args:
         path: the checkpoint directory (on a filesystem every rank sees).
@@ -126,7 +139,9 @@ def save_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
         tmp = file.with_name(file.name + ".tmp")
         torch.save(_payload(chunk_list, optimizer, scheduler, extra, iteration, where), tmp)
         os.replace(tmp, file)
-        entry = {"name": file.name, "bytes": file.stat().st_size, "coords": where.as_dict()}
+        first = where.tp == where.dp == where.ep == 0  # one rank per pipeline stage sends its record
+        entry = {"name": file.name, "bytes": file.stat().st_size, "coords": where.as_dict(),
+                 "splits": split_record(chunk_list) if first else {}}
     except Exception as exc:  # every rank must learn of it, or the others would wait forever
         entry = f"rank {where.rank}: {type(exc).__name__}: {exc}"
     entries = _gather(entry)
@@ -134,6 +149,7 @@ def save_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
     if failed:
         raise CheckpointError(f"saving {root} failed on {len(failed)} rank(s): {failed[0]}")
     if where.rank == 0:
+        write_json(root / TP_RECORD, _tensor_parallel([e for e in entries if isinstance(e, dict)]))
         write_json(root / MANIFEST, manifest_dict(
             format=FORMAT, format_version=FORMAT_VERSION, mcore_compat=__version__, megatron_core=_version(),
             torch=torch.__version__, layout=where.layout(), distributed_optimizer=_distributed_optimizer(chunk_list),
