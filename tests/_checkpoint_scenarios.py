@@ -216,15 +216,27 @@ def case_reshard() -> dict[str, Any]:
         other.release()
     _strip_tp_record(path)  # as written before TP resharding: a TP change is refused
     tp = Run(_opts("tp2-sp-bf16", seed=7))
-    before = tp.state()
-    try:
-        mc.load_checkpoint(path, tp.chunks, tp.optimizer)
-        out["tp_refusal"] = None
-    except mc.CheckpointError as exc:
-        out["tp_refusal"] = f"{type(exc).__name__}: {exc}"
-    out["tp_unchanged"] = _diff(tp.state(), before)
+    out["tp_refusal"], out["tp_unchanged"] = _refused_unchanged(path, tp)
     tp.release()
     return out
+
+
+def _refusal(path: Any, run: Run) -> str | None:
+    """Load ``path`` into ``run`` (model and optimizer): the refusal (``"<error type>: <message>"``) or ``None``."""
+    import mcore_compat as mc
+
+    try:
+        mc.load_checkpoint(path, run.chunks, run.optimizer)
+    except mc.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _refused_unchanged(path: Any, run: Run) -> tuple[str | None, list[str]]:
+    """:func:`_refusal`, and what of ``run``'s state the attempt changed (``[]``: nothing)."""
+    before = run.state()
+    refusal = _refusal(path, run)
+    return refusal, _diff(run.state(), before)
 
 
 def _strip_tp_record(path: str) -> None:
@@ -317,13 +329,7 @@ def case_reshard_tp() -> dict[str, Any]:
                 bad = Run(_tp_opts(1, seed=98))
             finally:
                 models.VOCAB = vocab
-            before = bad.state()
-            try:
-                mc.load_checkpoint(path, bad.chunks, bad.optimizer)
-                out["vocab_refusal"] = None
-            except mc.CheckpointError as exc:
-                out["vocab_refusal"] = f"{type(exc).__name__}: {exc}"
-            out["vocab_unchanged"] = _diff(bad.state(), before)
+            out["vocab_refusal"], out["vocab_unchanged"] = _refused_unchanged(path, bad)
             bad.release()
     with _gated():  # TP=2 -> TP=1 of a stride-2 layout: step 3 from the loaded state computes the same loss
         path = _shared_dir("reshard-gated")
@@ -427,11 +433,7 @@ def case_bad_input() -> dict[str, Any]:
              "foreign": variant("foreign", foreign), "in_progress": variant("in-progress", writing),
              "missing_shard": variant("missing", missing)}
     for tag, path in paths.items():
-        try:
-            mc.load_checkpoint(path, run.chunks, run.optimizer)
-            results[tag] = None
-        except mc.CheckpointError as exc:
-            results[tag] = f"{type(exc).__name__}: {exc}"
+        results[tag] = _refusal(path, run)
     results["unchanged"] = _diff(run.state(), before)
     run.release()
     # a model that does not match: other shapes (hidden size via another model), other names (MLP), no optimizer
@@ -439,13 +441,7 @@ def case_bad_input() -> dict[str, Any]:
                        ("other_dtype", _opts("dp2-distopt-bf16", dtype="fp32", dropout=0.0))):
         o = Run(other)
         o.step()
-        snap = o.state()
-        try:
-            mc.load_checkpoint(good, o.chunks, o.optimizer)
-            results[tag] = None
-        except mc.CheckpointError as exc:
-            results[tag] = f"{type(exc).__name__}: {exc}"
-        results[f"{tag}_unchanged"] = _diff(o.state(), snap)
+        results[tag], results[f"{tag}_unchanged"] = _refused_unchanged(good, o)
         o.release()
     return results
 

@@ -9,8 +9,8 @@ sum (``d_j = -d_i``) alters the second by ``(j - i) * d_i``, which is nonzero mo
 both sums only by a coincidence of the changed values (not by rounding, scaling, zeroing or a stale copy, the
 faults the self-check injects); a mismatch says *that* a tensor changed, not *where*.
 
-Cost: on CUDA one fused reduction over the elements (:mod:`.fused`); elsewhere the elements are read as a matrix of :data:`_COLS` columns, in blocks of ``_BLOCK`` elements; per block one
-widening to int64 and two reductions, its row sums ``S_r`` and column sums ``T_c``, since
+Cost: on CUDA one fused reduction over the elements (:mod:`.fused`); elsewhere the elements are read as a matrix
+of :data:`_COLS` columns, in blocks of ``_BLOCK`` elements; per block one widening to int64 and two reductions, its row sums ``S_r`` and column sums ``T_c``, since
 ``sum((i + 1) * v_i) = _COLS * sum(r * S_r) + sum((c + 1) * T_c)`` for ``i = r * _COLS + c`` (the same value as
 the direct sum, modulo 2**64, with no index tensor as large as the block); no copy of the tensor is kept; the
 sums stay on the tensor's device until :func:`changed` compares many fingerprints at once (one host sync per

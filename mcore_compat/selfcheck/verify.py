@@ -53,7 +53,7 @@ from .fingerprint import Fingerprint, changed, fingerprints
 from .groups import Groups
 from .host_snapshot import HostSnapshot
 from .invariants import compare_replicas, global_grad_norm
-from .oracle import BOUND_TEXT, Rule, branches, expected_step, rule_of
+from .oracle import BOUND_TEXT, Rule, _is_tensor, branches, expected_step, rule_of
 from .reference import GradReference, PlainReference, core_module
 from .report import Check
 from .rng_replay import RngReplay, unreplayable_reason
@@ -180,11 +180,13 @@ class _Pre:
     grad: Any = None
 
 
-def _clone_state(state: dict[str, Any], skip: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
-    """A copy of an optimizer state (``skip``: keys copied elsewhere, kept as the live tensor here)."""
+def _clone_state(state: dict[str, Any], copied: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A copy of an optimizer state; ``copied``: entries already copied elsewhere (the host snapshot), taken as
+    they are."""
+    copied = copied or {}
     out = {}
     for k, v in state.items():
-        out[k] = v.detach().clone() if hasattr(v, "detach") and k not in skip else v
+        out[k] = copied[k] if k in copied else (v.detach().clone() if hasattr(v, "detach") else v)
     return out
 
 
@@ -479,11 +481,11 @@ class StepVerifier:
         host = self._host.copies if self._host is not None else {}
         for mp in self.view:
             pre = self._pre[id(mp)]
-            pre.p0 = host.get((id(mp), "main"))
+            mine = {key: copy for (owner, key), copy in host.items() if owner == id(mp)}
+            pre.p0 = mine.pop("main", None)
             if pre.p0 is None:
                 pre.p0 = mp.main.detach().float().clone()
-            pre.state0 = {k: host.get((id(mp), k), v) for k, v in _clone_state(_state_of(mp), skip={
-                k for i, k in host if i == id(mp)}).items()}
+            pre.state0 = _clone_state(_state_of(mp), mine)
             g = mp.finalized_grad()
             pre.grad = None if g is None else g.detach().clone()
             if id(mp) in grad_prints:
@@ -788,7 +790,7 @@ class StepVerifier:
         t.see_resolution_sample(sample, stride)
         for k, (e, _lo, _hi) in enumerate(block):
             mp_id = id(entries[e][0])
-            self._changed[mp_id] = changed[k] if mp_id not in self._changed else self._changed[mp_id] + changed[k]
+            self._changed[mp_id] = self._changed.get(mp_id, 0) + changed[k]
         for key, o in moment_over.items():
             moment_parts.setdefault(key, []).append((ids[-1], o))
         worst_parts.append(worst)
@@ -818,7 +820,6 @@ class StepVerifier:
         return ""
 
     def _check_model_params(self) -> None:
-
         t = self.tally["model"]
         compared = [mp for mp in self.view if mp.main is not mp.model]
         for mp, n in zip(compared, _read([_differing(mp) for mp in compared]), strict=True):  # one host sync
@@ -968,10 +969,6 @@ def _per_entry(ids: list[Any], worst_parts: list[Any], over_parts: list[Any], n:
 def _blocks(n: int, size: int = 0) -> list[tuple[int, int]]:
     size = size or _BLOCK
     return [(lo, min(lo + size, n)) for lo in range(0, max(n, 1), size)]
-
-
-def _is_tensor(v: Any) -> bool:
-    return hasattr(v, "reshape") and hasattr(v, "dim")
 
 
 def _differing(mp: MainParam) -> Any:
