@@ -6,8 +6,10 @@ verified training step), with the reference copy (``reference=True``) and withou
 
 * time of one ``check_training_step`` / median time of one plain step (``x`` training steps), with and without
   the reference;
-* bytes: the reference copy (``reference_bytes``), the pre-step snapshot (``snapshot_bytes``), and on CUDA the
-  peak allocated memory during the check above the peak of a plain step, next to the model's parameter bytes.
+* bytes: the reference copy (``reference_bytes``), the pre-step snapshot (``snapshot_bytes``: at its largest;
+  with ``--stream on``, the default, the copied fp32 gradients plus the largest part of the state checked inside
+  the optimizer step), and on CUDA the peak allocated memory during the check above the peak of a plain step,
+  next to the model's parameter bytes.
 
     python3 benchmarks/check_step_cost.py --device cuda      # 8 layers, hidden 1024, seq 512, bf16
     python3 benchmarks/check_step_cost.py --device cpu       # tiny GPT (smoke)
@@ -36,7 +38,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated parts of the pre-step snapshot kept in pinned host memory on CUDA "
                         "('main', optimizer state keys; '' for none; default: selfcheck.verify.HOST_SNAPSHOT, "
                         "where it fits on the device, else HOST_WHEN_SHORT)")
+    p.add_argument("--stream", choices=("on", "off"), default="on",
+                   help="check the update inside the optimizer step, part by part (on, the default), or from a "
+                        "snapshot of the whole pre-step state (off: MCORE_COMPAT_STREAM=0)")
     args = p.parse_args(argv)
+    if args.stream == "off":
+        import os
+
+        os.environ["MCORE_COMPAT_STREAM"] = "0"
     spec = G.spec_from_args(args)
     reps = args.reps or (5 if args.device == "cuda" else 3)
     patches, _ps = C.single_rank_megatron(args.device)
@@ -94,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         "snapshot_host_bytes": ref_settings.get("snapshot_host_bytes", 0),
         "peak_plain_bytes": max(plain_peak), "peak_check_reference_bytes": max(ref_peak),
         "peak_check_no_reference_bytes": max(noref_peak),
+        "update_checked": ref_settings.get("update_checked"),
         "reports_ok": {k: r.ok for k, r in reports.items()},
         "summaries": {k: r.summary_line() for k, r in reports.items()}, "patches": patches,
     }
@@ -105,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         C.metric("check_training_step (reference=False) / plain step", statistics.median(noref_t) / step, "steps"),
         C.metric("reference copy", ref_settings["reference_bytes"] / params, "x param bytes",
                  note=C.fmt_bytes(ref_settings["reference_bytes"])),
-        C.metric("pre-step snapshot on the device", ref_settings["snapshot_bytes"] / params, "x param bytes",
-                 note=C.fmt_bytes(ref_settings["snapshot_bytes"])),
+        C.metric("pre-step snapshot on the device (at its largest)", ref_settings["snapshot_bytes"] / params,
+                 "x param bytes", note=f"{C.fmt_bytes(ref_settings['snapshot_bytes'])}; update checked "
+                                       f"{ref_settings.get('update_checked')}"),
         C.metric("pre-step snapshot in pinned host memory", ref_settings.get("snapshot_host_bytes", 0) / params,
                  "x param bytes", note=C.fmt_bytes(ref_settings.get("snapshot_host_bytes", 0))),
         C.metric("peak memory above a plain step (reference)",
@@ -116,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         C.metric("verdicts", float(all(r.ok for r in reports.values())), "all ok", goal="== 1"),
     ]
     C.write_result(NAME, args.device, args.out, config={"spec": spec.as_dict(), "reps": reps, "lr": LR,
+                                                        "stream": args.stream,
                                                         "host_snapshot": "auto" if verify.HOST_SNAPSHOT is None
                                                         else list(verify.HOST_SNAPSHOT)},
                    results=results, headline=headline)

@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for name in ("__init__", "before_step", "after_backward", "after_step", "final_replicas", "checks",
                  "_compare_grads", "_check_norm", "_check_update", "_check_model_params", "_check_changed",
-                 "_replicas", "_moved", "_prints"):
+                 "_replicas", "_moved", "_prints", "_snapshot", "_snapshot_grads", "_entering_step",
+                 "_scale_check", "_part_snapshot", "_verify_part", "_verify_update", "_after_streamed"):
         wrap(V.StepVerifier, name)
     from mcore_compat.selfcheck import reference as R
     wrap(R.PlainReference, "__init__")

@@ -14,6 +14,9 @@ CASES = {
     # the same, with the replay switched off: the reference draws other masks, so the gradients differ
     "dropout-no-replay": (1, "fp32", True),
     "good-bf16": (1, "bf16", True),
+    # the update checked from a snapshot of the whole state instead of inside the step (MCORE_COMPAT_STREAM=0)
+    "good-bf16-snapshot": (1, "bf16", True),
+    "step-maximize-snapshot": (1, "fp32", False),
     "good-pp2": (2, "fp32", True),
     "good-no-reference": (1, "fp32", False),
     "no-hook": (1, "fp32", True),
@@ -55,7 +58,7 @@ def _wrap_step(optimizer: Any, chunks: list[Any], case: str, dp_rank: int) -> No
             elif case == "step-zero-half-grad":
                 _, p = next((n, p) for n, p in named if p.dim() == 2)
                 p.main_grad.view(-1)[: p.numel() // 2].zero_()
-            elif case == "step-maximize":  # every update up the gradient
+            elif case.startswith("step-maximize"):  # every update up the gradient
                 for group in optimizer.param_groups:
                     group["maximize"] = True
             elif case == "step-swap-betas":
@@ -136,11 +139,16 @@ def run_case(case: str) -> dict[str, Any]:
 
     undo = _no_replay() if case == "dropout-no-replay" else None
     before = capture()
+    import os
+
+    if case.endswith("-snapshot"):
+        os.environ["MCORE_COMPAT_STREAM"] = "0"
     try:
         report = check_training_step(chunks, optimizer, models.forward_step(opts), iter(batches),
                                      num_microbatches=models.MICROBATCHES, seq_length=models.SEQ,
                                      micro_batch_size=models.MICRO_BATCH, binding=binding, reference=reference)
     finally:
+        os.environ.pop("MCORE_COMPAT_STREAM", None)
         if undo is not None:
             undo()
     after = capture()

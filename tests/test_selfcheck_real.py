@@ -339,6 +339,7 @@ OWN_MODEL = {
     "good-dropout": (True, set(), set()),
     "dropout-no-replay": (False, {"grads_match_reference"}, set()),
     "good-bf16": (True, set(), set()),
+    "good-bf16-snapshot": (True, set(), set()),
     "good-pp2": (True, set(), set()),
     "good-no-reference": (True, set(), {"grads_match_reference"}),
     "no-hook": (False, {"training_hooks_installed", "grads_match_reference"}, set()),
@@ -350,6 +351,7 @@ OWN_MODEL = {
     "step-zero-half-grad": (False, {"update_matches_optimizer_rule"}, {"grads_match_reference"}),
     # the groups changed inside the step: the rule's settings come from the optimizer's config, not the groups
     "step-maximize": (False, {"update_matches_optimizer_rule"}, {"grads_match_reference"}),
+    "step-maximize-snapshot": (False, {"update_matches_optimizer_rule"}, {"grads_match_reference"}),
     "step-swap-betas": (False, {"update_matches_optimizer_rule"}, {"grads_match_reference"}),
 }
 
@@ -371,6 +373,12 @@ def test_check_training_step_on_own_model(own_model: dict[str, dict], case: str)
     if case == "good":
         # one step: the reference's params are views of the model's weights (no copy; buffers only, none here)
         assert result["settings"]["reference_bytes"] == 0 and result["settings"]["snapshot_bytes"] > 0
+    if case.startswith("good"):
+        # torch's Adam updates each element on its own: the update is checked inside the step, part by part,
+        # unless switched off
+        checked = result["settings"]["update_checked"]
+        assert checked == ("from a snapshot of the whole state (MCORE_COMPAT_STREAM=0)" if "snapshot" in case
+                           else "inside the optimizer step, in 8 parts"), checked
     if case == "good-dropout":
         # the reference replayed the step's dropout masks, and put the random state back where the step left it:
         # the same as after the same step unchecked (the step itself moved it: dropout drew masks)

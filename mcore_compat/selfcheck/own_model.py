@@ -27,11 +27,15 @@ missing tensor-parallel reduction, wrong rows of a weight gradient) acts on the 
 own model is also compared with a model written independently from the math (``independent_reference_matches``,
 :mod:`.independent`); here that check is N/A, saying so.
 
-Cost: the copy is one more model in memory (its parameters and buffers, and a gradient and a bound per
-parameter while the reference runs) plus one more forward and backward; the pre-step snapshot of the main
-params, their state and gradients is about four fp32 copies of this rank's main params. The report's settings
-say how many bytes (``reference_bytes``, ``snapshot_bytes``). ``reference=False`` skips the copy (the rule, the
-norm, the model params and the replicas are still proven).
+Cost: the reference shares the model's weights (one step only), so it adds a gradient and a bound per parameter
+while it runs, and one more forward and backward. The update is checked inside the optimizer step, part by part
+(:mod:`.in_step`: about 1/8 of the main params and their state copied at a time), where the inner optimizer
+updates each element on its own (torch's, apex's and TransformerEngine's Adam and SGD); fp32 finalized gradients
+are copied once (the optimizer clips them in place). Otherwise the whole pre-step state is snapshotted (about
+four fp32 copies of this rank's main params; on CUDA partly in pinned host memory when the device is short). The
+report's settings say which (``update_checked``) and how many bytes (``reference_bytes``, ``snapshot_bytes``,
+``snapshot_host_bytes``). ``reference=False`` skips the reference (the rule, the norm, the model params and the
+replicas are still proven).
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ def check_training_step(
     import torch.distributed as dist
 
     from .. import symbols, training
+    from . import in_step
     from .verify import StepVerifier
     from .worker import _binding_checks, _buffer_alias_check, _pipeline_gather_check
 
@@ -123,7 +128,7 @@ def check_training_step(
     config = symbols.resolve("get_model_config")(chunks[0])
     batches = _materialize(data_iterator, len(chunks), num_microbatches)
     as_list = isinstance(data_iterator, list)
-    verifier = StepVerifier(chunks, optimizer, reference=reference, continuity=False, one_step=True,
+    verifier = StepVerifier(chunks, optimizer, reference=reference, continuity=False, one_step=True, stream=True,
                             per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)))
     verifier.before_step()
     training.zero_grad_buffer(chunks, optimizer)
@@ -133,7 +138,8 @@ def check_training_step(
                                        seq_length=seq_length, micro_batch_size=micro_batch_size,
                                        check_hooks=False, **schedule_kwargs)
     verifier.after_backward(forward_step_func, batches, num_microbatches, stored, last=True)
-    ok, norm, _ = training.optimizer_step(optimizer)
+    with verifier.stepping():
+        ok, norm, _ = training.optimizer_step(optimizer)
     verifier.after_step(ok, norm)
     training.finish_param_sync(chunks, optimizer)  # the overlapped all-gather of the updated params, if any
     verifier.final_replicas()
@@ -156,6 +162,8 @@ def check_training_step(
                               "reference": reference, "hooks_installed": hooks_ok,
                               "reference_bytes": verifier.reference_bytes,
                               "snapshot_bytes": verifier.snapshot_bytes,
-                              "snapshot_host_bytes": verifier.snapshot_host_bytes})
+                              "snapshot_host_bytes": verifier.snapshot_host_bytes,
+                              "update_checked": f"inside the optimizer step, in {in_step.PARTS} parts" if verifier.stream
+                              else f"from a snapshot of the whole state ({verifier.stream_reason})"})
     report.checks = merge_rank_checks(gathered)
     return report

@@ -41,7 +41,9 @@ Checks that cannot apply say so (e.g. ``model_params_match_main`` when the model
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +54,7 @@ from .configured import Configured, from_optimizer
 from .fingerprint import Fingerprint, changed, fingerprints
 from .groups import Groups
 from .host_snapshot import HostSnapshot
+from .in_step import InStep, not_streamable
 from .invariants import compare_replicas, global_grad_norm
 from .oracle import BOUND_TEXT, Rule, _is_tensor, branches, expected_step, rule_of
 from .reference import GradReference, PlainReference, core_module
@@ -254,10 +257,15 @@ class StepVerifier:
             each step).
         one_step: only one step will be checked: the reference's params are views of the model's weights (its
             run ends before the weights change) instead of a copy of them.
+        stream: check the update inside the optimizer's step, part by part (:mod:`.in_step`), instead of from a
+            snapshot of all main params and state taken before it; the caller then runs every optimizer step
+            within :meth:`stepping`. Where the inner optimizers are not :data:`.in_step.ELEMENTWISE` (or
+            ``MCORE_COMPAT_STREAM=0``), the snapshot is taken as without it (:attr:`stream` says which).
     """
 
     def __init__(self, chunks: Sequence[Any], optimizer: Any, *, reference: bool = True, continuity: bool = True,
-                 per_token_loss: bool = False, configured: Configured | None = None, one_step: bool = False) -> None:
+                 per_token_loss: bool = False, configured: Configured | None = None, one_step: bool = False,
+                 stream: bool = False) -> None:
         import torch
 
         self.chunks = list(chunks)
@@ -305,6 +313,26 @@ class StepVerifier:
                                             share_weights=one_step)
             self.reference_bytes = self.reference.nbytes()
         self._setup_checks: list[Check] = self._coverage()
+        #: why the update is checked from a whole snapshot although ``stream`` was asked for ("" if it streams)
+        self.stream_reason = "" if stream else "not asked for"
+        if stream and not self.stream_reason:
+            if os.environ.get("MCORE_COMPAT_STREAM", "1") == "0":
+                self.stream_reason = "MCORE_COMPAT_STREAM=0"
+            elif self.view.unsupported:
+                self.stream_reason = self.view.unsupported
+            else:
+                self.stream_reason = next((r for r in (not_streamable(i, optimizer) for i in self.view.inner) if r),
+                                          "")
+        #: the update is checked inside the optimizer's step (:meth:`stepping`)
+        self.stream = not self.stream_reason
+        self._in_step = InStep(self._entering_step, self._part_snapshot, self._verify_part)
+        self._of_main: dict[int, MainParam] = {id(mp.main): mp for mp in self.view}
+        self._grad_prints: dict[int, Fingerprint] = {}
+        self._copied_grads: set[int] = set()
+        self._scales: list[tuple[Any, list[Any], list[Any], list[Any], list[MainParam]]] = []
+        self._verified: dict[int, list[Fingerprint]] = {}
+        self._norm_mine: tuple[float, float] | None = None
+        self._stepping = False
 
     # ------------------------------------------------------------------------------------------- set-up
     @own_tensor_math
@@ -372,7 +400,12 @@ class StepVerifier:
             self._pre[id(mp)] = _Pre(None, {}, None if mp.group is None else {k: mp.group[k] for k in _HYPER_KEYS
                                                                               if k in mp.group})
         self._entry = self._prints()
-        self._start_host_snapshot()
+        self._changed = {}
+        self._scales = []
+        self._verified = {}
+        self._norm_mine = None
+        if not self.stream:
+            self._start_host_snapshot()
         self.rng.start_step()
 
     def _start_host_snapshot(self) -> None:
@@ -410,12 +443,12 @@ class StepVerifier:
         return () if need + headroom <= 0.9 * (free + cached) else HOST_WHEN_SHORT
 
     @own_tensor_math
-    def _prints(self, model: bool = False) -> dict[int, list[Fingerprint]]:
-        """Per main param: fingerprints of its main param and optimizer state (and, with ``model``, its model
-        param), all taken together (:func:`.fingerprint.fingerprints`)."""
+    def _prints(self, model: bool = False, mps: Sequence[MainParam] | None = None) -> dict[int, list[Fingerprint]]:
+        """Per main param (of ``mps``, default all): fingerprints of its main param and optimizer state (and, with
+        ``model``, its model param), all taken together (:func:`.fingerprint.fingerprints`)."""
         items: list[Any] = []
         spans: list[tuple[int, int, int]] = []
-        for mp in self.view:
+        for mp in (self.view if mps is None else mps):
             state = _state_of(mp)
             mine: list[Any] = [tuple(sorted(state))] + [state[k] for k in sorted(state)]
             if not (model and mp.main is mp.model):
@@ -428,12 +461,14 @@ class StepVerifier:
         return {k: prints[lo:hi] for k, lo, hi in spans}
 
     @own_tensor_math
-    def _moved(self, before: dict[int, list[Fingerprint]], model: bool = False) -> list[bool]:
-        """Per main param (in view order): do its fingerprints now differ from ``before``'s?"""
-        now_all = self._prints(model)
+    def _moved(self, before: dict[int, list[Fingerprint]], model: bool = False,
+               mps: Sequence[MainParam] | None = None) -> list[bool]:
+        """Per main param (of ``mps``, default all, in order): do its fingerprints now differ from ``before``'s?"""
+        mps = list(self.view) if mps is None else list(mps)
+        now_all = self._prints(model, mps)
         pairs: list[tuple[Fingerprint, Fingerprint]] = []
         spans: list[tuple[int, int, bool]] = []
-        for mp in self.view:
+        for mp in mps:
             now, then = now_all[id(mp)], before[id(mp)]
             spans.append((len(pairs), len(pairs) + min(len(now), len(then)), len(now) != len(then)))
             pairs.extend(zip(then, now, strict=False))
@@ -450,9 +485,12 @@ class StepVerifier:
         live = {id(mp): mp.finalized_grad() for mp in self.view}
         self._replicas(f"step {self.step_index}")
         grad_prints: dict[int, Fingerprint] = {}
-        if self.reference is not None and forward_step_func is not None and not self.unreplayable:
+        compare = self.reference is not None and forward_step_func is not None and not self.unreplayable
+        if compare or self.stream:
             keys = [k for k, g in live.items() if g is not None]
             grad_prints = dict(zip(keys, fingerprints([live[k] for k in keys]), strict=True))
+        if compare:
+            assert self.reference is not None and forward_step_func is not None
             ref = self.reference.run(forward_step_func, batches, num_microbatches, loss_scale=self._loss_scale,
                                      rng=self.rng)
             self._compare_grads(ref, live)
@@ -461,7 +499,13 @@ class StepVerifier:
         if last and self.reference is not None:
             self.reference.release()
         del live
-        self._snapshot(grad_prints)
+        if self.stream:
+            self._snapshot_grads(grad_prints)
+        else:
+            self._snapshot(grad_prints)
+        if not self.view.unsupported:  # collective: before the step, on every rank
+            self._norm_mine = global_grad_norm(self.view, {k: pre.grad for k, pre in self._pre.items()},
+                                               self.groups, self.chunks, self._loss_scale)
         if self._host is not None:
             self._host.fence()  # the optimizer step overwrites what the host copies are read from
 
@@ -504,8 +548,147 @@ class StepVerifier:
                                          f"reference ran")
 
     @own_tensor_math
+    def _snapshot_grads(self, grad_prints: dict[int, Fingerprint]) -> None:
+        """The finalized gradients a streamed step's checks start from (:attr:`stream`): an fp32 one is copied
+        (the optimizer's main gradient is then that same tensor, unscaled and clipped in place), one of another
+        dtype is kept as it is (the optimizer reads a float copy of it; :meth:`_entering_step` proves it
+        unchanged since it was compared with the reference)."""
+        self._grad_prints = grad_prints
+        self._copied_grads = set()
+        self.snapshot_bytes = 0
+        self.snapshot_host_bytes = 0
+        then: list[Fingerprint] = []
+        now: list[Any] = []
+        names: list[str] = []
+        for mp in self.view:
+            pre = self._pre[id(mp)]
+            g = mp.finalized_grad()
+            pre.grad = None if g is None else g.detach()
+            if g is not None and g.dtype == mp.main.dtype:
+                pre.grad = pre.grad.clone()
+                self._copied_grads.add(id(mp))
+                self.snapshot_bytes += _nbytes(pre.grad)
+                if id(mp) in grad_prints:
+                    then.append(grad_prints[id(mp)])
+                    now.append(pre.grad)
+                    names.append(mp.name)
+        for name, moved in zip(names, changed(list(zip(then, fingerprints(now), strict=True))), strict=True):
+            if moved:
+                self.tally["grads"].fail(f"step {self.step_index}: {name}: the finalized gradient changed while the "
+                                         f"reference ran")
+
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Run the step's optimizer step within this (``with verifier.stepping(): optimizer_step(...)``): where
+        :attr:`stream`, the inner optimizers' ``step`` is replaced for it (:mod:`.in_step`), else nothing."""
+        self._stepping = True
+        if not self.stream:
+            yield
+            return
+        with self._in_step.installed(list(self.view.inner)):
+            yield
+
+    @own_tensor_math
+    def _entering_step(self, inner: Any) -> None:
+        """At the start of ``inner``'s step (streamed): its main params and state are those fingerprinted before
+        the forward, the finalized gradients kept as they were are those compared with the reference, and the
+        gradients it reads are the finalized ones times one factor (read in :meth:`after_step`)."""
+        mps = [mp for mp in self.view if mp.inner is inner]
+        t = self.tally["update"]
+        for mp, moved in zip(mps, self._moved(self._entry, mps=mps), strict=True):
+            if moved:
+                t.fail(f"step {self.step_index}: {mp.name}: main param or optimizer state changed between the forward "
+                       f"and the optimizer's update")
+        kept = [mp for mp in mps if id(mp) not in self._copied_grads and id(mp) in self._grad_prints]
+        pairs = list(zip([self._grad_prints[id(mp)] for mp in kept],
+                         fingerprints([self._pre[id(mp)].grad for mp in kept]), strict=True))
+        for mp, moved in zip(kept, changed(pairs), strict=True):
+            if moved:
+                self.tally["grads"].fail(f"step {self.step_index}: {mp.name}: the finalized gradient changed after "
+                                         f"it was compared, before the optimizer read it")
+        self._scale_check(mps)
+
+    @own_tensor_math
+    def _scale_check(self, mps: list[MainParam]) -> None:
+        """The gradients the optimizer reads (``main.grad``) against the finalized ones times one common factor,
+        the median ratio of a sample (:func:`.elements.scale_sample`, :func:`.elements.scale_block`); kept on the
+        device for :meth:`after_step` (which compares the factor with the reported norm's)."""
+        import torch
+
+        t = self.tally["update"]
+        pieces: list[tuple[Any, Any, Any]] = []  # (main param, finalized gradient, gradient read)
+        for mp in mps:
+            pre = self._pre[id(mp)]
+            if pre.grad is None or mp.group is None:
+                continue
+            used = mp.main.grad
+            if used is None:
+                t.fail(f"step {self.step_index}: {mp.name}: the optimizer read no gradient")
+                continue
+            pieces.append((mp, pre.grad.reshape(-1), used.detach().reshape(-1)))
+        if not pieces:
+            return
+        entries = [(mp,) for mp, _g, _u in pieces]
+        blocks = _pack(entries, list(range(len(entries))), fused.block_elements(self.device))
+
+        def cat(block: list[tuple[int, int, int]], k: int) -> Any:
+            parts = [pieces[e][k][lo:hi] for e, lo, hi in block]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        dev = pieces[0][1].device
+        samples = []
+        for block in blocks:
+            n = sum(hi - lo for _e, lo, hi in block)
+            samples.append(fused.run(elements.scale_sample, dev, cat(block, 1), cat(block, 2), res_stride(n)))
+        c = torch.cat(samples).nanmedian()
+        c = torch.where(torch.isnan(c), torch.ones_like(c), c)  # every gradient zero: nothing to scale
+        ids: list[Any] = []
+        worst_parts: list[Any] = []
+        over_parts: list[Any] = []
+        for block in blocks:
+            seg = None
+            if len(block) > 1:
+                lengths = torch.tensor([hi - lo for _e, lo, hi in block], dtype=torch.int64).to(dev)
+                seg = torch.repeat_interleave(torch.arange(len(block), device=dev), lengths)
+            worst, over = fused.run(elements.scale_block, dev, cat(block, 1), cat(block, 2), c, seg, len(block))
+            ids.append(torch.tensor([e for e, _lo, _hi in block], dtype=torch.int64))
+            worst_parts.append(worst)
+            over_parts.append(over)
+        self._scales.append((c, ids, worst_parts, over_parts, [mp for mp, _g, _u in pieces]))
+
+    @own_tensor_math
+    def _part_snapshot(self, inner: Any, part: list[Any]) -> dict[int, _Pre]:
+        """The pre-update values of one part of ``inner``'s params (streamed): main param, state, and the
+        gradient the optimizer reads."""
+        pres: dict[int, _Pre] = {}
+        nbytes = 0
+        for p in part:
+            mp = self._of_main.get(id(p))
+            if mp is None or mp.inner is not inner:
+                continue
+            grad = mp.main.grad
+            pre = _Pre(mp.main.detach().float().clone(), _clone_state(_state_of(mp)), self._pre[id(mp)].group,
+                       None if grad is None else grad.detach())
+            pres[id(mp)] = pre
+            nbytes += sum(_nbytes(v) for v in (pre.p0, *pre.state0.values()) if _is_tensor(v))
+        self.snapshot_bytes = max(self.snapshot_bytes, sum(_nbytes(self._pre[k].grad) for k in self._copied_grads)
+                                  + nbytes)
+        return pres
+
+    @own_tensor_math
+    def _verify_part(self, inner: Any, part: list[Any], pres: dict[int, _Pre]) -> None:
+        """One part's update against the rule (the gradient as the optimizer read it: scale 1), then its
+        fingerprints, proven unchanged in :meth:`after_step`."""
+        mps = [self._of_main[id(p)] for p in part if id(p) in self._of_main and id(self._of_main[id(p)]) in pres]
+        self._verify_update(mps, pres, 1.0, True)
+        self._verified.update(self._prints(mps=mps))
+
+    @own_tensor_math
     def after_step(self, update_successful: bool, grad_norm: float | None) -> None:
         """After ``optimizer_step``: the rule, the model params, the first step's changes."""
+        if self.stream and not self._stepping:
+            raise RuntimeError("StepVerifier(stream=True): run the optimizer step within `with verifier.stepping():`")
+        self._stepping = False
         self._check_norm(grad_norm)
         self._check_update(update_successful, grad_norm)
         self._check_model_params()
@@ -642,10 +825,9 @@ class StepVerifier:
 
     def _check_norm(self, grad_norm: float | None) -> None:
         t = self.tally["norm"]
-        if self.view.unsupported:
+        if self.view.unsupported or self._norm_mine is None:
             return
-        mine, bound = global_grad_norm(self.view, {k: pre.grad for k, pre in self._pre.items()}, self.groups,
-                                       self.chunks, self._loss_scale)
+        mine, bound = self._norm_mine
         if grad_norm is None or (grad_norm == 0.0 and not _clip_grad(self.optimizer)):
             # without clipping, releases skip the norm and report None (0.6-0.12) or 0.0 (later)
             t.note = "the optimizer computes no grad norm without clipping (clip_grad = 0)"
@@ -666,18 +848,74 @@ class StepVerifier:
         return coeff if coeff < 1.0 else 1.0
 
     def _check_update(self, update_successful: bool, grad_norm: float | None) -> None:
-        import torch
-
-        t = self.tally["update"]
         if self.view.unsupported:
             return
         coeff = self._clip_coeff(grad_norm)
         self.last_clip_coeff = coeff
-        self._changed = {}
+        if self.stream:
+            self._after_streamed(update_successful, coeff / self._loss_scale)
+        else:
+            self._verify_update(list(self.view), self._pre, coeff / self._loss_scale, update_successful)
+
+    @own_tensor_math
+    def _after_streamed(self, update_successful: bool, scale: float) -> None:
+        """After a streamed step: the factor the optimizer's gradients carried against the reported norm's,
+        main params the step did not reach (unchanged where they must be), and what changed after its check."""
+        import torch
+
+        t = self.tally["update"]
+        reached = [mp for mp in self.view if id(mp) in self._verified]
+        if not update_successful or self._in_step.ran == set():
+            for mp, moved in zip(self.view, self._moved(self._entry), strict=True):
+                t.see(0.0, mp.name, mp.main.numel())
+                if moved:
+                    t.fail(f"step {self.step_index}: the step was skipped (overflow) but {mp.name} changed"
+                           if not update_successful else
+                           f"step {self.step_index}: {mp.name} changed, but not by the optimizer's update")
+                elif update_successful and mp.group is not None and self._pre[id(mp)].grad is not None:
+                    t.fail(f"step {self.step_index}: {mp.name} was not updated: the optimizer's update did not run")
+            return
+        for c, ids, worst_parts, over_parts, mps in self._scales:
+            _worst_e, over_e = _per_entry(ids, worst_parts, over_parts, len(mps))
+            values = torch.cat([c.reshape(1), over_e]).tolist()  # one host sync
+            seen, overs = values[0], values[1:]
+            for mp, o in zip(mps, overs, strict=True):
+                if o:
+                    t.fail(f"step {self.step_index}: {mp.name}: {int(o)}/{mp.main.numel()} elements of the gradient "
+                           f"the optimizer read are not the finalized gradient times the factor of the others "
+                           f"({seen:.9g}: unscaling and clipping)")
+            if abs(seen - scale) > _SCALE_TOLERANCE * scale:
+                t.fail(f"step {self.step_index}: the optimizer read the finalized gradients times {seen:.9g}; the "
+                       f"reported grad norm and loss scale give {scale:.9g} (clip {_clip_grad(self.optimizer):g}, "
+                       f"loss scale {self._loss_scale:g})")
+        others = [mp for mp in self.view if id(mp) not in self._verified]
+        if others:
+            for mp, moved in zip(others, self._moved(self._entry, mps=others), strict=True):
+                if mp.group is None:
+                    t.fail(f"step {self.step_index}: {mp.name} is in no param group yet changed" if moved else
+                           f"step {self.step_index}: {mp.name} is in no param group: never updated")
+                elif moved:
+                    t.fail(f"step {self.step_index}: {mp.name} changed, but not by the optimizer's update")
+                else:
+                    t.fail(f"step {self.step_index}: {mp.name} was not updated: the optimizer's update did not "
+                           f"reach it")
+        if reached:
+            for mp, moved in zip(reached, self._moved(self._verified, mps=reached), strict=True):
+                if moved:
+                    t.fail(f"step {self.step_index}: {mp.name}: main param or optimizer state changed after its "
+                           f"update was checked (later in the optimizer's step)")
+
+    def _verify_update(self, mps: list[MainParam], pres: dict[int, _Pre], scale: float,
+                       update_successful: bool) -> None:
+        """The rule on ``mps`` (their pre-step values ``pres``; the gradient times ``scale`` is what the
+        optimizer applies), every element, verdicts read with one host sync."""
+        import torch
+
+        t = self.tally["update"]
         entries: list[tuple[Any, ...]] = []  # (mp, pre, rule, hyper, now, missing, moment keys, step)
         packs: dict[Any, list[int]] = {}  # main params that may share a block: the same rule, hyper, step, keys
-        for mp in self.view:
-            pre = self._pre[id(mp)]
+        for mp in mps:
+            pre = pres[id(mp)]
             after = mp.main.detach().reshape(-1)
             if pre.group is None:
                 if not torch.equal(after.float(), _on(pre.p0, after).reshape(-1)):
@@ -721,7 +959,7 @@ class StepVerifier:
         size = fused.block_elements(self.device)
         for members in packs.values():
             for block in _pack(entries, members, size):
-                self._update_block(t, entries, block, coeff, ids, worst_parts, over_parts, moment_parts)
+                self._update_block(t, entries, block, scale, ids, worst_parts, over_parts, moment_parts)
         if not ids:
             return
         n = len(entries)
@@ -737,7 +975,7 @@ class StepVerifier:
             over_total = int(values[1, i])
             if over_total:
                 t.fail(f"step {self.step_index}: {mp.name}: {over_total}/{numel} elements off the rule "
-                       f"({self._update_example(mp, pre, rule, hyper, coeff)})")
+                       f"({self._update_example(mp, pre, rule, hyper, scale)})")
             for key in sorted(missing):
                 t.fail(f"step {self.step_index}: {mp.name}: optimizer state {key} missing")
             for j, key in enumerate(keys):
@@ -751,7 +989,7 @@ class StepVerifier:
                        f"expected {expected}")
 
     def _update_block(self, t: _Tally, entries: list[tuple[Any, ...]], block: list[tuple[int, int, int]],
-                      coeff: float, ids: list[Any], worst_parts: list[Any], over_parts: list[Any],
+                      scale: float, ids: list[Any], worst_parts: list[Any], over_parts: list[Any],
                       moment_parts: dict[str, list[Any]]) -> None:
         """The rule on one block (pieces ``(entry, lo, hi)`` of main params that share rule and hyper-parameters,
         :func:`.elements.update_block`): appends, per piece, its worst ``err/bound`` and elements over the bound
@@ -778,7 +1016,7 @@ class StepVerifier:
         stride = res_stride(p0.numel())
         # the numbers as device scalars: the compiled block is then not specialized to lr, scale or step
         scalars = elements.device_scalars({**{f"h.{k}": v for k, v in hyper.items()},
-                                           "scale": coeff / self._loss_scale, "step": state0.get("step")},
+                                           "scale": scale, "step": state0.get("step")},
                                           p0.device)
         present = branches(rule, hyper)
         hyper = {k: scalars[f"h.{k}"] for k in hyper}
@@ -796,22 +1034,22 @@ class StepVerifier:
         worst_parts.append(worst)
         over_parts.append(over)
 
-    def _expected_block(self, mp: MainParam, pre: _Pre, rule: Rule, hyper: dict[str, Any], coeff: float, lo: int,
+    def _expected_block(self, mp: MainParam, pre: _Pre, rule: Rule, hyper: dict[str, Any], scale: float, lo: int,
                         hi: int) -> tuple[Any, dict[str, Any], Any, Any]:
         """The rule on elements ``lo:hi`` of ``mp``: ``(p', state', bound, the main param seen)`` (float64)."""
         p0 = _on(pre.p0.reshape(-1)[lo:hi], pre.grad)
-        grad = pre.grad.reshape(-1)[lo:hi].double() * (coeff / self._loss_scale)
+        grad = pre.grad.reshape(-1)[lo:hi].double() * scale
         state0 = {k: (_on(v.reshape(-1)[lo:hi], pre.grad) if _is_tensor(v) and v.dim() else v)
                   for k, v in pre.state0.items()}
         p1, state1, bound = expected_step(rule, hyper, p0, grad, state0)
         return p1, state1, bound, mp.main.detach().reshape(-1)[lo:hi].double()
 
-    def _update_example(self, mp: MainParam, pre: _Pre, rule: Rule, hyper: dict[str, Any], coeff: float) -> str:
+    def _update_example(self, mp: MainParam, pre: _Pre, rule: Rule, hyper: dict[str, Any], scale: float) -> str:
         """The first element of ``mp`` off the rule, in words (the failure path: the blocks recomputed)."""
         import torch
 
         for lo, hi in _blocks(mp.main.numel()):
-            p1, _state1, bound, got = self._expected_block(mp, pre, rule, hyper, coeff, lo, hi)
+            p1, _state1, bound, got = self._expected_block(mp, pre, rule, hyper, scale, lo, hi)
             err = (got - p1).abs()
             if bool((err > bound).any()):
                 i = int(torch.argmax(err - bound))
@@ -837,7 +1075,9 @@ class StepVerifier:
         per_mp: list[Any] = []
         for mp in self.view:  # counted by the update check where it ran the rule, else here
             n = self._changed.get(id(mp))
-            if n is None:
+            if n is None and self.stream:
+                n = mp.main.new_zeros(())
+            elif n is None:
                 pre = self._pre[id(mp)]
                 after = mp.main.detach().float().reshape(-1)
                 n = (after != _on(pre.p0, after).reshape(-1)).sum()
@@ -942,6 +1182,11 @@ def _verdict(name: str, t: _Tally, detail: str, na: str,
         return Check(name, False, text, {"failures": t.failures, "worst": t.worst})
     return Check(name, True, detail, {"worst": t.worst, "where": t.where, "elements": t.elements})
 
+
+#: How far the factor the optimizer's gradients carried may be from the reported norm's and loss scale's (in
+#: units of itself): the median ratio is within two fp32 roundings of the factor applied (unscaling then
+#: clipping), which is within one of the float64 coefficient Megatron computes.
+_SCALE_TOLERANCE = 8 * 2.0**-24
 
 #: Main params of at most this many elements share blocks of the rule (biases, norms: one evaluation for all).
 _PACK_MAX = 1 << 16

@@ -340,7 +340,7 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
         checks.append(Check("training_hooks_installed", False, str(exc)))
 
     _inject_group_fault(opts, optimizer, optimizer_view(optimizer, named_trainable(chunks)))
-    verifier = StepVerifier(chunks, optimizer, reference=True, continuity=True,
+    verifier = StepVerifier(chunks, optimizer, reference=True, continuity=True, stream=True,
                             configured=from_options(opts, no_decay))
     _inject_step_fault(opts, verifier.view)
     independent = IndependentReference(opts, chunks, cfg, verifier.view)
@@ -360,7 +360,8 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
                                            check_hooks=opts.fault != "no_finalize_hook")
         verifier.after_backward(models.forward_step(opts), per_chunk, models.MICROBATCHES, stored)
         independent.step(stored, verifier.view.loss_scale() if not verifier.view.unsupported else 1.0)
-        ok, norm, _zeros = training.optimizer_step(optimizer)
+        with verifier.stepping():
+            ok, norm, _zeros = training.optimizer_step(optimizer)
         verifier.after_step(ok, norm)
         if k == 0 and opts.fault == "perturb_dp_rank" and \
                 ps.get_data_parallel_rank() == ps.get_data_parallel_world_size() - 1:
