@@ -10,10 +10,8 @@ from mcore_compat.selfcheck.fingerprint import changed, fingerprint, fingerprint
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64])
-def test_a_copy_matches_and_any_one_or_two_element_change_does_not(dtype: torch.dtype,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fp, "_BLOCK", 1000)
-    x = (torch.randn(9_001) * 100).to(dtype)  # several blocks
+def test_a_copy_matches_and_any_one_or_two_element_change_does_not(dtype: torch.dtype) -> None:
+    x = (torch.randn(9_001) * 100).to(dtype)  # several rows and a partial last row
     assert changed([(fingerprint(x), fingerprint(x.clone()))]) == [False]
     for change in ("one", "swap", "negate", "zero"):
         y = x.clone()
@@ -48,9 +46,8 @@ def test_fingerprints_together_equal_one_by_one_and_see_a_change() -> None:
 
 
 @pytest.mark.parametrize("n", [1, 1023, 1024, 5_000, 70_001])
-def test_row_and_column_sums_give_the_index_weighted_sum_exactly(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_row_and_column_sums_give_the_index_weighted_sum_exactly(n: int) -> None:
     """The sums equal ``sum(v_i)`` and ``sum((i + 1) * v_i)`` modulo 2**64, computed here directly in Python."""
-    monkeypatch.setattr(fp, "_BLOCK", 4096)  # several blocks of rows and a partial last row
     x = torch.randn(n) * 1e30  # large bit patterns: the weighted sum wraps modulo 2**64
     ints = x.view(torch.int32).tolist()
     want = [sum(ints), sum((i + 1) * v for i, v in enumerate(ints))]
@@ -58,6 +55,9 @@ def test_row_and_column_sums_give_the_index_weighted_sum_exactly(n: int, monkeyp
     assert [g % 2**64 for g in got] == [w % 2**64 for w in want]
 
 
-def test_the_definition_the_fused_path_compiles_gives_the_same_sums() -> None:
-    x = torch.randn(70_001) * 1e30
-    assert torch.equal(fp._direct_sums(x.view(torch.int32)), fingerprint(x)[1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.uint8])
+def test_the_definition_gives_the_same_sums(dtype: torch.dtype) -> None:
+    x = (torch.randn(70_001) * 1e30).to(dtype) if dtype != torch.uint8 else torch.randint(0, 255, (70_001,),
+                                                                                            dtype=dtype)
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    assert torch.equal(fp._direct_sums(x.view(width)), fingerprint(x)[1])

@@ -124,3 +124,13 @@ def test_only_elementwise_optimizers_stream() -> None:
 
     lamb = Lamb(params, {"lr": 1.0})
     assert "not known to update each element" in str(in_step.not_streamable(lamb, None))
+
+    class KeepsStep(torch.optim.AdamW):  # a stand-in with another signature, torch's step (patches/stubs.py)
+        pass
+
+    class OwnStep(torch.optim.AdamW):
+        def step(self, closure: Any = None) -> Any:
+            return super().step(closure)
+
+    assert in_step.not_streamable(KeepsStep(params), None) is None
+    assert in_step.not_streamable(OwnStep(params), None) is not None

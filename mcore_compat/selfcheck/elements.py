@@ -13,7 +13,7 @@ from typing import Any
 
 from .oracle import Rule, expected_step
 
-__all__ = ["grad_block", "scale_block", "scale_sample", "update_block"]
+__all__ = ["grad_block", "scale_sample", "update_block"]
 
 #: the oracle without its CPU-harness wrapper (``own_tensor_math`` is applied by the caller's method)
 _RULE = getattr(expected_step, "__wrapped__", expected_step)
@@ -83,32 +83,14 @@ def update_block(rule: Rule, hyper: dict[str, Any], p0: Any, grad: Any, scale: A
             bound[::stride] / p1[::stride].abs())
 
 
-#: unit roundoff of fp32: a product rounded once to fp32 errs by at most this much of itself
-_U32 = 2.0**-24
-
-#: the smallest fp32 subnormal: the absolute rounding step near zero
-_TINY32 = 2.0**-149
-
-
 def scale_sample(grad: Any, used: Any, stride: int) -> Any:
     """``used / grad`` of every ``stride``-th element (float64; NaN where the gradient is zero): the factor the
-    optimizer's gradients carry is their median over all blocks (robust to a minority of corrupted elements;
-    :func:`scale_block` then checks every element)."""
+    optimizer's gradients carry is their median (robust to a minority of corrupted elements; the update check,
+    run on ``grad`` times it, then sees every element)."""
     import torch
 
     g, u = grad[::stride].double(), used[::stride].double()
     return torch.where(g != 0, u / torch.where(g != 0, g, 1.0), float("nan"))
-
-
-def scale_block(grad: Any, used: Any, c: Any, seg: Any, n: int) -> tuple[Any, Any]:
-    """Each element of ``used`` (the gradient the optimizer read) against ``c * grad`` (the finalized gradient
-    unscaled and clipped by one common factor, rounded to fp32 once or, unscaled then clipped, twice: within
-    ``2u`` of it; ``c``, the median of sampled ratios, within ``2u`` of the factor too): bound ``6 u |c g|`` plus
-    the fp32 subnormal step; ``(worst, over)`` per segment."""
-    want = grad.double() * c
-    err = (used.double() - want).abs()
-    bound = want.abs() * (6 * _U32) + _TINY32
-    return _worst(_ratio(err, bound), seg, n), _count(err > bound, seg, n)
 
 
 def device_scalars(values: dict[str, Any], device: Any) -> dict[str, Any]:

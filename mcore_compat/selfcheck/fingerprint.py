@@ -9,12 +9,13 @@ sum (``d_j = -d_i``) alters the second by ``(j - i) * d_i``, which is nonzero mo
 both sums only by a coincidence of the changed values (not by rounding, scaling, zeroing or a stale copy, the
 faults the self-check injects); a mismatch says *that* a tensor changed, not *where*.
 
-Cost: on CUDA one fused reduction over the elements (:mod:`.fused`); elsewhere the elements are read as a matrix
-of :data:`_COLS` columns, in blocks of ``_BLOCK`` elements; per block one widening to int64 and two reductions, its row sums ``S_r`` and column sums ``T_c``, since
-``sum((i + 1) * v_i) = _COLS * sum(r * S_r) + sum((c + 1) * T_c)`` for ``i = r * _COLS + c`` (the same value as
-the direct sum, modulo 2**64, with no index tensor as large as the block); no copy of the tensor is kept; the
-sums stay on the tensor's device until :func:`changed` compares many fingerprints at once (one host sync per
-device, not one per tensor).
+Cost: the elements are read as a matrix of :data:`_COLS` columns, twice: its row sums ``S_r`` and column sums
+``T_c``, each a reduction that widens to int64 as it reads (no temporary of the tensor's size, no index tensor:
+``sum((i + 1) * v_i) = _COLS * sum(r * S_r) + sum((c + 1) * T_c)`` for ``i = r * _COLS + c``, the same value as
+the direct sum modulo 2**64); a handful of kernels per tensor (on an H200 a compiled fused pass cost ~3x the
+host time per tensor of these eager launches, and wrote an int64 copy). Small tensors are summed together
+(:func:`fingerprints`). The sums stay on the tensor's device until :func:`changed` compares many fingerprints at
+once (one host sync per device, not one per tensor).
 """
 
 from __future__ import annotations
@@ -22,12 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 from .._own_math import own_tensor_math
-from . import fused
 
 __all__ = ["Fingerprint", "changed", "fingerprint", "fingerprints"]
 
-#: elements per block of the integer sums (bounds the int64 temporary: 8 bytes per element of a block)
-_BLOCK = 1 << 24
+#: the index weights kept per device (``1..n``) are at least this long
+_MIN_WEIGHTS = 1 << 14
 
 #: columns of the matrix a tensor's elements are read as (:func:`fingerprint`)
 _COLS = 1024
@@ -50,18 +50,14 @@ def fingerprint(t: Any) -> Fingerprint:
         flat = flat.to(torch.uint8)
     ints = flat.view(getattr(torch, _INT_OF_WIDTH[flat.element_size()]))
     n = ints.numel()
-    if n and fused.enabled(ints.device):  # one fused pass on CUDA: the index weights are never materialized
-        return (str(x.dtype), tuple(x.shape), n), fused.run(_direct_sums, ints.device, ints)
     rows = n // _COLS
     sums = torch.zeros(2, dtype=torch.int64, device=ints.device)
-    step = max(1, _BLOCK // _COLS)  # rows per block
-    for r0 in range(0, rows, step):
-        r1 = min(r0 + step, rows)
-        v = ints[r0 * _COLS:r1 * _COLS].view(r1 - r0, _COLS).to(torch.int64)
-        row, col = v.sum(dim=1), v.sum(dim=0)
+    if rows:  # two reductions that accumulate in int64 as they read: no temporary of the tensor's size
+        m = ints[:rows * _COLS].view(rows, _COLS)
+        row, col = m.sum(dim=1, dtype=torch.int64), m.sum(dim=0, dtype=torch.int64)
         total = row.sum()
-        weighted = (row * _weights(ints.device, r1 - r0)).sum() + (r0 - 1) * total  # sum of (r0 + j) * S_j
-        sums += torch.stack([total, _COLS * weighted + (col * _weights(ints.device, _COLS)).sum()])
+        weighted = (row * _weights(ints.device, rows)).sum() - total  # sum of r * S_r, r from 0
+        sums = torch.stack([total, _COLS * weighted + (col * _weights(ints.device, _COLS)).sum()])
     if rows * _COLS < n:  # the last, partial row: the direct sums
         v = ints[rows * _COLS:].to(torch.int64)
         w = _weights(ints.device, n - rows * _COLS).add(rows * _COLS)
@@ -71,7 +67,7 @@ def fingerprint(t: Any) -> Fingerprint:
 
 def _direct_sums(ints: Any) -> Any:
     """``[sum(v_i), sum((i + 1) * v_i)]`` of an integer tensor, as int64 (wrapping modulo 2**64): the
-    definition, for :func:`.fused.run` to compile into one reduction."""
+    definition (the tests compare :func:`fingerprint` with it)."""
     import torch
 
     v = ints.to(torch.int64)
@@ -123,7 +119,7 @@ def _weights(device: Any, n: int) -> Any:
 
     w = _WEIGHTS.get(device)
     if w is None or w.numel() < n:
-        w = _WEIGHTS[device] = torch.arange(1, max(n, _BLOCK // _COLS, _COLS) + 1, dtype=torch.int64, device=device)
+        w = _WEIGHTS[device] = torch.arange(1, max(n, _MIN_WEIGHTS, _COLS) + 1, dtype=torch.int64, device=device)
     return w[:n]
 
 

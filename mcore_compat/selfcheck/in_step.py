@@ -38,10 +38,23 @@ ELEMENTWISE = frozenset({
 })
 
 
+def _elementwise(cls: type) -> bool:
+    """One of :data:`ELEMENTWISE`, or a subclass of torch's Adam, AdamW or SGD that keeps its ``step`` (such as
+    the apex ``FusedAdam`` stand-in of ``mcore_compat.patches`` on CPU)."""
+    if any(cls.__module__.startswith(mod) and cls.__name__ == name for mod, name in ELEMENTWISE):
+        return True
+    import inspect
+
+    import torch
+
+    return any(issubclass(cls, base) and inspect.unwrap(cls.step) is inspect.unwrap(base.step)
+               for base in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD))
+
+
 def not_streamable(inner: Any, optimizer: Any) -> str | None:
     """Why ``inner``'s step cannot be checked part by part, or ``None``."""
     cls = type(inner)
-    if not any(cls.__module__.startswith(mod) and cls.__name__ == name for mod, name in ELEMENTWISE):
+    if not _elementwise(cls):
         return f"{cls.__module__}.{cls.__name__} is not known to update each element on its own"
     for opt in [optimizer, *getattr(optimizer, "chained_optimizers", [])]:
         if getattr(getattr(opt, "config", None), "use_precision_aware_optimizer", False):

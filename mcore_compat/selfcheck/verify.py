@@ -329,7 +329,8 @@ class StepVerifier:
         self._of_main: dict[int, MainParam] = {id(mp.main): mp for mp in self.view}
         self._grad_prints: dict[int, Fingerprint] = {}
         self._copied_grads: set[int] = set()
-        self._scales: list[tuple[Any, list[Any], list[Any], list[Any], list[MainParam]]] = []
+        #: per inner optimizer (streamed): the factor its gradients carried (a 0-d device tensor)
+        self._scales: dict[int, Any] = {}
         self._verified: dict[int, list[Fingerprint]] = {}
         self._norm_mine: tuple[float, float] | None = None
         self._stepping = False
@@ -401,7 +402,7 @@ class StepVerifier:
                                                                               if k in mp.group})
         self._entry = self._prints()
         self._changed = {}
-        self._scales = []
+        self._scales = {}
         self._verified = {}
         self._norm_mine = None
         if not self.stream:
@@ -606,69 +607,47 @@ class StepVerifier:
             if moved:
                 self.tally["grads"].fail(f"step {self.step_index}: {mp.name}: the finalized gradient changed after "
                                          f"it was compared, before the optimizer read it")
-        self._scale_check(mps)
+        self._scale_check(inner, mps)
 
     @own_tensor_math
-    def _scale_check(self, mps: list[MainParam]) -> None:
-        """The gradients the optimizer reads (``main.grad``) against the finalized ones times one common factor,
-        the median ratio of a sample (:func:`.elements.scale_sample`, :func:`.elements.scale_block`); kept on the
-        device for :meth:`after_step` (which compares the factor with the reported norm's)."""
+    def _scale_check(self, inner: Any, mps: list[MainParam]) -> None:
+        """The factor the gradients ``inner`` reads (``main.grad``) carry over the finalized ones (Megatron's
+        unscaling and clipping): the median ratio of a strided sample (:func:`.elements.scale_sample`), rounded
+        to fp32 (the factor applied is an fp32 number). The rule then runs on the finalized gradients times it,
+        so an element of the gradient read off that factor shows as an update off the rule; :meth:`after_step`
+        compares the factor with the reported norm's and loss scale's."""
         import torch
 
         t = self.tally["update"]
-        pieces: list[tuple[Any, Any, Any]] = []  # (main param, finalized gradient, gradient read)
+        grads, used = [], []
         for mp in mps:
             pre = self._pre[id(mp)]
             if pre.grad is None or mp.group is None:
                 continue
-            used = mp.main.grad
-            if used is None:
+            if mp.main.grad is None:
                 t.fail(f"step {self.step_index}: {mp.name}: the optimizer read no gradient")
                 continue
-            pieces.append((mp, pre.grad.reshape(-1), used.detach().reshape(-1)))
-        if not pieces:
+            stride = max(1, pre.grad.numel() // _SCALE_SAMPLES)
+            grads.append(pre.grad.reshape(-1)[::stride])
+            used.append(mp.main.grad.detach().reshape(-1)[::stride])
+        if not grads:
             return
-        entries = [(mp,) for mp, _g, _u in pieces]
-        blocks = _pack(entries, list(range(len(entries))), fused.block_elements(self.device))
-
-        def cat(block: list[tuple[int, int, int]], k: int) -> Any:
-            parts = [pieces[e][k][lo:hi] for e, lo, hi in block]
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-        dev = pieces[0][1].device
-        samples = []
-        for block in blocks:
-            n = sum(hi - lo for _e, lo, hi in block)
-            samples.append(fused.run(elements.scale_sample, dev, cat(block, 1), cat(block, 2), res_stride(n)))
-        c = torch.cat(samples).nanmedian()
-        c = torch.where(torch.isnan(c), torch.ones_like(c), c)  # every gradient zero: nothing to scale
-        ids: list[Any] = []
-        worst_parts: list[Any] = []
-        over_parts: list[Any] = []
-        for block in blocks:
-            seg = None
-            if len(block) > 1:
-                lengths = torch.tensor([hi - lo for _e, lo, hi in block], dtype=torch.int64).to(dev)
-                seg = torch.repeat_interleave(torch.arange(len(block), device=dev), lengths)
-            worst, over = fused.run(elements.scale_block, dev, cat(block, 1), cat(block, 2), c, seg, len(block))
-            ids.append(torch.tensor([e for e, _lo, _hi in block], dtype=torch.int64))
-            worst_parts.append(worst)
-            over_parts.append(over)
-        self._scales.append((c, ids, worst_parts, over_parts, [mp for mp, _g, _u in pieces]))
+        c = elements.scale_sample(torch.cat(grads), torch.cat(used), 1).nanmedian()
+        c = torch.where(torch.isnan(c), torch.ones_like(c), c).float().double()  # every gradient zero: 1
+        self._scales[id(inner)] = c
 
     @own_tensor_math
     def _part_snapshot(self, inner: Any, part: list[Any]) -> dict[int, _Pre]:
-        """The pre-update values of one part of ``inner``'s params (streamed): main param, state, and the
-        gradient the optimizer reads."""
+        """The pre-update values of one part of ``inner``'s params (streamed): main param and state (the
+        finalized gradient is kept for the whole step)."""
         pres: dict[int, _Pre] = {}
         nbytes = 0
         for p in part:
             mp = self._of_main.get(id(p))
             if mp is None or mp.inner is not inner:
                 continue
-            grad = mp.main.grad
             pre = _Pre(mp.main.detach().float().clone(), _clone_state(_state_of(mp)), self._pre[id(mp)].group,
-                       None if grad is None else grad.detach())
+                       self._pre[id(mp)].grad)
             pres[id(mp)] = pre
             nbytes += sum(_nbytes(v) for v in (pre.p0, *pre.state0.values()) if _is_tensor(v))
         self.snapshot_bytes = max(self.snapshot_bytes, sum(_nbytes(self._pre[k].grad) for k in self._copied_grads)
@@ -677,10 +656,10 @@ class StepVerifier:
 
     @own_tensor_math
     def _verify_part(self, inner: Any, part: list[Any], pres: dict[int, _Pre]) -> None:
-        """One part's update against the rule (the gradient as the optimizer read it: scale 1), then its
-        fingerprints, proven unchanged in :meth:`after_step`."""
+        """One part's update against the rule (the finalized gradient times the factor the optimizer's
+        gradients carry, :meth:`_scale_check`), then its fingerprints, proven unchanged in :meth:`after_step`."""
         mps = [self._of_main[id(p)] for p in part if id(p) in self._of_main and id(self._of_main[id(p)]) in pres]
-        self._verify_update(mps, pres, 1.0, True)
+        self._verify_update(mps, pres, self._scales.get(id(inner), 1.0), True)
         self._verified.update(self._prints(mps=mps))
 
     @own_tensor_math
@@ -875,19 +854,13 @@ class StepVerifier:
                 elif update_successful and mp.group is not None and self._pre[id(mp)].grad is not None:
                     t.fail(f"step {self.step_index}: {mp.name} was not updated: the optimizer's update did not run")
             return
-        for c, ids, worst_parts, over_parts, mps in self._scales:
-            _worst_e, over_e = _per_entry(ids, worst_parts, over_parts, len(mps))
-            values = torch.cat([c.reshape(1), over_e]).tolist()  # one host sync
-            seen, overs = values[0], values[1:]
-            for mp, o in zip(mps, overs, strict=True):
-                if o:
-                    t.fail(f"step {self.step_index}: {mp.name}: {int(o)}/{mp.main.numel()} elements of the gradient "
-                           f"the optimizer read are not the finalized gradient times the factor of the others "
-                           f"({seen:.9g}: unscaling and clipping)")
-            if abs(seen - scale) > _SCALE_TOLERANCE * scale:
-                t.fail(f"step {self.step_index}: the optimizer read the finalized gradients times {seen:.9g}; the "
-                       f"reported grad norm and loss scale give {scale:.9g} (clip {_clip_grad(self.optimizer):g}, "
-                       f"loss scale {self._loss_scale:g})")
+        if self._scales:
+            seen_all = torch.stack([c.reshape(()) for c in self._scales.values()]).tolist()  # one host sync
+            for seen in seen_all:
+                if abs(seen - scale) > _SCALE_TOLERANCE * scale:
+                    t.fail(f"step {self.step_index}: the optimizer read the finalized gradients times {seen:.9g}; "
+                           f"the reported grad norm and loss scale give {scale:.9g} (clip "
+                           f"{_clip_grad(self.optimizer):g}, loss scale {self._loss_scale:g})")
         others = [mp for mp in self.view if id(mp) not in self._verified]
         if others:
             for mp, moved in zip(others, self._moved(self._entry, mps=others), strict=True):
@@ -905,10 +878,10 @@ class StepVerifier:
                     t.fail(f"step {self.step_index}: {mp.name}: main param or optimizer state changed after its "
                            f"update was checked (later in the optimizer's step)")
 
-    def _verify_update(self, mps: list[MainParam], pres: dict[int, _Pre], scale: float,
+    def _verify_update(self, mps: list[MainParam], pres: dict[int, _Pre], scale: Any,
                        update_successful: bool) -> None:
-        """The rule on ``mps`` (their pre-step values ``pres``; the gradient times ``scale`` is what the
-        optimizer applies), every element, verdicts read with one host sync."""
+        """The rule on ``mps`` (their pre-step values ``pres``; the gradient times ``scale``, a number or a 0-d
+        device tensor, is what the optimizer applies), every element, verdicts read with one host sync."""
         import torch
 
         t = self.tally["update"]
@@ -989,7 +962,7 @@ class StepVerifier:
                        f"expected {expected}")
 
     def _update_block(self, t: _Tally, entries: list[tuple[Any, ...]], block: list[tuple[int, int, int]],
-                      scale: float, ids: list[Any], worst_parts: list[Any], over_parts: list[Any],
+                      scale: Any, ids: list[Any], worst_parts: list[Any], over_parts: list[Any],
                       moment_parts: dict[str, list[Any]]) -> None:
         """The rule on one block (pieces ``(entry, lo, hi)`` of main params that share rule and hyper-parameters,
         :func:`.elements.update_block`): appends, per piece, its worst ``err/bound`` and elements over the bound
@@ -1034,7 +1007,7 @@ class StepVerifier:
         worst_parts.append(worst)
         over_parts.append(over)
 
-    def _expected_block(self, mp: MainParam, pre: _Pre, rule: Rule, hyper: dict[str, Any], scale: float, lo: int,
+    def _expected_block(self, mp: MainParam, pre: _Pre, rule: Rule, hyper: dict[str, Any], scale: Any, lo: int,
                         hi: int) -> tuple[Any, dict[str, Any], Any, Any]:
         """The rule on elements ``lo:hi`` of ``mp``: ``(p', state', bound, the main param seen)`` (float64)."""
         p0 = _on(pre.p0.reshape(-1)[lo:hi], pre.grad)
@@ -1044,7 +1017,7 @@ class StepVerifier:
         p1, state1, bound = expected_step(rule, hyper, p0, grad, state0)
         return p1, state1, bound, mp.main.detach().reshape(-1)[lo:hi].double()
 
-    def _update_example(self, mp: MainParam, pre: _Pre, rule: Rule, hyper: dict[str, Any], scale: float) -> str:
+    def _update_example(self, mp: MainParam, pre: _Pre, rule: Rule, hyper: dict[str, Any], scale: Any) -> str:
         """The first element of ``mp`` off the rule, in words (the failure path: the blocks recomputed)."""
         import torch
 
@@ -1184,9 +1157,12 @@ def _verdict(name: str, t: _Tally, detail: str, na: str,
 
 
 #: How far the factor the optimizer's gradients carried may be from the reported norm's and loss scale's (in
-#: units of itself): the median ratio is within two fp32 roundings of the factor applied (unscaling then
-#: clipping), which is within one of the float64 coefficient Megatron computes.
+#: units of itself): the median ratio, rounded to fp32, is within two fp32 roundings of the factor applied
+#: (unscaling then clipping), which is within one of the float64 coefficient Megatron computes.
 _SCALE_TOLERANCE = 8 * 2.0**-24
+
+#: Elements per main param whose ratio enters the median of :meth:`StepVerifier._scale_check` (strided).
+_SCALE_SAMPLES = 4096
 
 #: Main params of at most this many elements share blocks of the rule (biases, norms: one evaluation for all).
 _PACK_MAX = 1 << 16
