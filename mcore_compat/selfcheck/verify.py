@@ -727,8 +727,7 @@ class StepVerifier:
                 want_all, bound_all = self._ref_part(ref, mp)
                 pieces.append((got, want_all, bound_all, 0, got.numel()))
             dev = compared[chunk[0]][1].device
-            lengths = torch.tensor([compared[k][1].numel() for k in chunk], dtype=torch.int64).to(dev)
-            seg = torch.repeat_interleave(torch.arange(len(chunk), device=dev), lengths)
+            seg = _segments([compared[k][1].numel() for k in chunk], dev)
             self._grad_block(t, pieces, seg, len(chunk), worst_parts, over_parts)
             ids.append(torch.tensor(chunk, dtype=torch.int64))
         values = [0.0, 0.0] * len(compared)
@@ -983,8 +982,7 @@ class StepVerifier:
         now = {key: cat([entries[e][4][key].detach().reshape(-1)[lo:hi] for e, lo, hi in block]) for key in moments}
         seg = None
         if len(block) > 1:
-            lengths = torch.tensor([hi - lo for _e, lo, hi in block], dtype=torch.int64).to(p0.device)
-            seg = torch.repeat_interleave(torch.arange(len(block), device=p0.device), lengths)
+            seg = _segments([hi - lo for _e, lo, hi in block], p0.device)
         ids.append(torch.tensor([e for e, _lo, _hi in block], dtype=torch.int64))
         stride = res_stride(p0.numel())
         # the numbers as device scalars: the compiled block is then not specialized to lr, scale or step
@@ -1185,6 +1183,15 @@ def _per_entry(ids: list[Any], worst_parts: list[Any], over_parts: list[Any], n:
     worst = torch.zeros(n, dtype=torch.float64, device=dev).scatter_reduce_(0, index, torch.cat(worst_parts), "amax")
     over = torch.zeros(n, dtype=torch.float64, device=dev).index_add_(0, index, torch.cat(over_parts))
     return worst, over
+
+
+def _segments(lengths: list[int], device: Any) -> Any:
+    """Each element's segment index for segments of ``lengths`` (on ``device``; the output size given, so no host
+    sync)."""
+    import torch
+
+    counts = torch.tensor(lengths, dtype=torch.int64).to(device, non_blocking=True)
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device), counts, output_size=sum(lengths))
 
 
 def _blocks(n: int, size: int = 0) -> list[tuple[int, int]]:
