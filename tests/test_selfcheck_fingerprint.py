@@ -61,3 +61,22 @@ def test_the_definition_gives_the_same_sums(dtype: torch.dtype) -> None:
                                                                                             dtype=dtype)
     width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
     assert torch.equal(fp._direct_sums(x.view(width)), fingerprint(x)[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel runs on CUDA only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.uint8, torch.bool])
+@pytest.mark.parametrize("n", [1, 4095, 4096, 70_001, 3_000_001])
+def test_the_gpu_kernel_gives_the_definition_s_sums(dtype: torch.dtype, n: int) -> None:
+    from mcore_compat.selfcheck import triton_sums
+
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=g) * 1e30).to(dtype) if dtype.is_floating_point else \
+        torch.randint(0, 2 if dtype == torch.bool else 255, (n,), generator=g).to(dtype)
+    ints = (x.to(torch.uint8) if dtype == torch.bool else x).view(
+        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+    assert triton_sums.enabled(torch.device("cuda"))
+    got = fingerprint(x.cuda())[1].cpu()
+    assert torch.equal(got, fp._direct_sums(ints)), (got, fp._direct_sums(ints))
+    y = x.clone()
+    y[n // 2] = 0 if dtype.is_floating_point and y[n // 2] != 0 else (1 - y[n // 2].int()).to(dtype)
+    assert changed([(fingerprint(x.cuda()), fingerprint(y.cuda()))]) == [True]

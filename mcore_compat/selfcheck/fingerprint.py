@@ -9,13 +9,12 @@ sum (``d_j = -d_i``) alters the second by ``(j - i) * d_i``, which is nonzero mo
 both sums only by a coincidence of the changed values (not by rounding, scaling, zeroing or a stale copy, the
 faults the self-check injects); a mismatch says *that* a tensor changed, not *where*.
 
-Cost: the elements are read as a matrix of :data:`_COLS` columns, twice: its row sums ``S_r`` and column sums
-``T_c``, each a reduction that widens to int64 as it reads (no temporary of the tensor's size, no index tensor:
-``sum((i + 1) * v_i) = _COLS * sum(r * S_r) + sum((c + 1) * T_c)`` for ``i = r * _COLS + c``, the same value as
-the direct sum modulo 2**64); a handful of kernels per tensor (on an H200 a compiled fused pass cost ~3x the
-host time per tensor of these eager launches, and wrote an int64 copy). Small tensors are summed together
-(:func:`fingerprints`). The sums stay on the tensor's device until :func:`changed` compares many fingerprints at
-once (one host sync per device, not one per tensor).
+Cost: on CUDA one pass and one launch per tensor (:mod:`.triton_sums`; without Triton, a compiled reduction,
+:mod:`.fused`). Elsewhere the elements are read as a matrix of :data:`_COLS` columns, twice: its row sums
+``S_r`` and column sums ``T_c`` (no index tensor: ``sum((i + 1) * v_i) = _COLS * sum(r * S_r) + sum((c + 1) *
+T_c)`` for ``i = r * _COLS + c``, the same value as the direct sum modulo 2**64). Small tensors are summed
+together (:func:`fingerprints`). The sums stay on the tensor's device until :func:`changed` compares many
+fingerprints at once (one host sync per device, not one per tensor).
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._own_math import own_tensor_math
+from . import fused, triton_sums
 
 __all__ = ["Fingerprint", "changed", "fingerprint", "fingerprints"]
 
@@ -38,8 +38,9 @@ Fingerprint = tuple[tuple[Any, ...], Any]
 _INT_OF_WIDTH = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
-def fingerprint(t: Any) -> Fingerprint:
-    """The fingerprint of ``t`` (a tensor: its bits; anything else: itself)."""
+def fingerprint(t: Any, into: Any = None) -> Fingerprint:
+    """The fingerprint of ``t`` (a tensor: its bits; anything else: itself). ``into``: 2 zeroed int64 elements
+    on ``t``'s device the sums may be added into (one allocation for many fingerprints)."""
     import torch
 
     if not (hasattr(t, "detach") and hasattr(t, "element_size")):
@@ -50,6 +51,12 @@ def fingerprint(t: Any) -> Fingerprint:
         flat = flat.to(torch.uint8)
     ints = flat.view(getattr(torch, _INT_OF_WIDTH[flat.element_size()]))
     n = ints.numel()
+    if n and triton_sums.enabled(ints.device):  # one pass, one launch (:mod:`.triton_sums`)
+        out = into if into is not None else torch.zeros(2, dtype=torch.int64, device=ints.device)
+        if triton_sums.add_sums(ints, out):
+            return (str(x.dtype), tuple(x.shape), n), out
+    if n and fused.enabled(ints.device):  # compiled: one graph, but ~135 us of host time per call
+        return (str(x.dtype), tuple(x.shape), n), fused.run(_direct_sums, ints.device, ints)
     rows = n // _COLS
     sums = torch.zeros(2, dtype=torch.int64, device=ints.device)
     if rows:  # two reductions that accumulate in int64 as they read: no temporary of the tensor's size
@@ -87,12 +94,23 @@ def fingerprints(items: list[Any]) -> list[Fingerprint]:
 
     out: list[Fingerprint | None] = [None] * len(items)
     groups: dict[tuple[Any, int], list[int]] = {}
+    large: list[int] = []
     for i, x in enumerate(items):
         if hasattr(x, "detach") and hasattr(x, "element_size") and 0 < x.numel() <= _SMALL \
                 and x.dtype != torch.bool:
             groups.setdefault((x.device, x.element_size()), []).append(i)
+        elif hasattr(x, "detach") and hasattr(x, "element_size") and x.numel() and triton_sums.enabled(x.device):
+            large.append(i)
         else:
             out[i] = fingerprint(x)
+    if large:  # the kernel adds into rows of one zeroed tensor per device
+        by_device: dict[Any, list[int]] = {}
+        for i in large:
+            by_device.setdefault(items[i].device, []).append(i)
+        for device, idx in by_device.items():
+            rows = torch.zeros(len(idx), 2, dtype=torch.int64, device=device)
+            for k, i in enumerate(idx):
+                out[i] = fingerprint(items[i], rows[k])
     for (device, width), idx in groups.items():
         int_dtype = getattr(torch, _INT_OF_WIDTH[width])
         flats = [items[i].detach().reshape(-1).view(int_dtype) for i in idx]
