@@ -205,10 +205,20 @@ def main(argv: list[str] | None = None) -> int:
     megatron = _DistCheckpointing(module, optimizer, kwargs)
     root = Path(tempfile.mkdtemp(prefix=f"{NAME}-", dir=args.dir))
     dirs = {side: root / side for side in SIDES}
+    doing = [""]  # what ran last, for the refusal's line
+
+    def named(what: str, fn: Callable[[Path], Any]) -> Callable[[Path], Any]:
+        def run(d: Path) -> Any:
+            doing[0] = what
+            return fn(d)
+
+        return run
+
     ops: dict[str, tuple[Callable[[Path], Any], Callable[[Path], Any]]] = {
-        "mcore_compat": (lambda d: mc.save_checkpoint(d, chunks, optimizer),
-                         lambda d: mc.load_checkpoint(d, chunks, optimizer)),
-        "dist_checkpointing": (megatron.save, megatron.load),
+        "mcore_compat": (named("mcore_compat save", lambda d: mc.save_checkpoint(d, chunks, optimizer)),
+                         named("mcore_compat load", lambda d: mc.load_checkpoint(d, chunks, optimizer))),
+        "dist_checkpointing": (named(f"dist_checkpointing save ({sharding})", megatron.save),
+                               named(f"dist_checkpointing load ({sharding})", megatron.load)),
     }
     try:
         for _ in range(args.warmup):
@@ -239,8 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                 times[side]["load"].append(t)
         disk = {side: _on_disk(dirs[side]) for side in SIDES}
     except Exception as exc:  # a release whose dist_checkpointing cannot round-trip this model on this device
-        return _refuse(f"megatron-core {mc.detect().version}: the comparison failed ({type(exc).__name__}: "
-                       f"{str(exc).splitlines()[0] if str(exc) else ''})")
+        text = " ".join(str(exc).split())
+        return _refuse(f"megatron-core {mc.detect().version}: {doing[0]} failed, so there is no comparison on this "
+                       f"release ({type(exc).__name__}: {text[:240]}{' ...' if len(text) > 240 else ''})")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
