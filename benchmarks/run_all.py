@@ -5,10 +5,11 @@ On a GPU machine without megatron-core installed (wheels in a folder; no network
     python3 benchmarks/run_all.py --device cuda --wheels .whl --versions 0.19.2
 
 unpacks ``megatron_core-0.19.2-*.whl`` (its pure-Python ``megatron/`` tree) into ``/tmp/mc-0.19.2``, runs
-``import_cost``, ``step_overhead``, ``binding_memory``, ``pipeline_gather`` (2 GPUs; skipped with fewer) and
-``ppo_actor_overhead`` (where present), each in a fresh interpreter with ``PYTHONPATH=/tmp/mc-0.19.2:<repo root>`` (and the NCCL settings of
-``_common.NCCL_ENV``), writes ``<out>/<benchmark>-cuda.json`` (``<out>/<version>/...`` when several versions
-are given), ``<out>/run_all.log`` and ``<out>/SUMMARY.md``. Other ways to pick megatron-core:
+``import_cost``, ``step_overhead``, ``binding_memory``, ``pipeline_gather`` (2 GPUs; skipped with fewer),
+``ppo_actor_overhead`` (where present), ``check_step_cost`` and ``checkpoint_cost``, each in a fresh interpreter
+with ``PYTHONPATH=/tmp/mc-0.19.2:<repo root>`` (and the NCCL settings of ``_common.NCCL_ENV``), writes
+``<out>/<benchmark>-cuda.json`` (``<out>/<version>/...`` when several versions are given), ``<out>/run_all.log``
+and ``<out>/SUMMARY.md``. Other ways to pick megatron-core:
 
     python3 benchmarks/run_all.py --device cpu --sites .cache/mc --versions 0.16.1   # unpacked trees <sites>/<v>
     python3 benchmarks/run_all.py --device cpu                                      # whatever is importable now
@@ -35,10 +36,12 @@ import _common as C
 HERE = Path(__file__).resolve().parent
 #: The benchmarks, in run order; ``ppo_actor_overhead`` (written separately) runs too where the file exists.
 BENCHMARKS = tuple(b for b in ("import_cost", "step_overhead", "binding_memory", "pipeline_gather",
-                               "ppo_actor_overhead", "check_step_cost") if (HERE / f"{b}.py").is_file())
+                               "ppo_actor_overhead", "check_step_cost", "checkpoint_cost")
+                   if (HERE / f"{b}.py").is_file())
 #: Per-benchmark time limits in seconds (cuda, cpu).
 TIMEOUTS = {"import_cost": (560, 300), "step_overhead": (240, 180), "binding_memory": (180, 120),
-            "pipeline_gather": (300, 240), "ppo_actor_overhead": (240, 180), "check_step_cost": (300, 180)}
+            "pipeline_gather": (300, 240), "ppo_actor_overhead": (240, 180), "check_step_cost": (300, 180),
+            "checkpoint_cost": (300, 180)}
 
 
 def unpack(wheel: Path, dest: Path) -> None:

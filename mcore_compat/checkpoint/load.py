@@ -202,7 +202,7 @@ def _assemble(key: str, records: list[dict[str, Any]], get: Callable[[dict[str, 
     if at != numel:
         raise CheckpointFormatError(f"the optimizer records of {key} cover elements [0, {at}) of {numel}: a shard "
                                     "of the checkpoint is missing")
-    return torch.cat(pieces)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one record: its view, no copy
 
 
 def _state_of(name: str) -> Callable[[dict[str, Any]], Any]:
@@ -257,11 +257,11 @@ def _optimizer_plan(plan: _Plan, chunks: list[Any], optimizer: Any, shards: list
         for name, value in records[0]["state"].items():
             if isinstance(value, torch.Tensor) and value.numel() == (records[0]["end"] or records[0]["numel"]) \
                     - (records[0]["start"] or 0) and value.dim() > 0:
-                part = full(key, name, _state_of(name), shape)[lo:hi]
-                state[name] = part.reshape(mp.main.shape).to(device=mp.main.device, dtype=value.dtype).clone()
+                part = full(key, name, _state_of(name), shape)[lo:hi]  # may view the read shard: copied here
+                state[name] = part.reshape(mp.main.shape).to(device=mp.main.device, dtype=value.dtype, copy=True)
             elif isinstance(value, torch.Tensor):
                 device = current[name].device if isinstance(current.get(name), torch.Tensor) else value.device
-                state[name] = value.to(device).clone()
+                state[name] = value.to(device, copy=True)
             else:
                 state[name] = value
         plan.states.append((mp.inner, mp.main, state))

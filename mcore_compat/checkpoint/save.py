@@ -7,6 +7,7 @@ complete checkpoint or the marker (:class:`~.errors.CheckpointInProgressError`),
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -89,6 +90,25 @@ def _tensor_parallel(entries: list[dict[str, Any]]) -> dict[str, dict[str, list[
     return out
 
 
+def _without_crc32() -> contextlib.AbstractContextManager[Any]:
+    """``torch.save`` without the zip entries' CRC32 while the shard is written, where torch has the switch
+    (``torch.utils.serialization.config.save.compute_crc32``, torch 2.6+; older torch: unchanged).
+
+    torch's reader never checks that checksum (PyTorch builds miniz with ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS``),
+    so the file loads the same with any torch; computing it is most of ``torch.save``'s time for tensors already in
+    host memory (a 0.29 GB shard: 0.23 s with it, 0.07 s without, on a CPU of the CI machine). The shard's size is
+    checked against the manifest on load. It is a process-wide setting: another thread's ``torch.save`` during
+    the save is written without the checksum too.
+    """
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(getattr(config, "save", None), "compute_crc32"):
+        return contextlib.nullcontext()
+    return config.patch({"save.compute_crc32": False})  # type: ignore[attr-defined]
+
+
 def _payload(chunks: list[Any], optimizer: Any, scheduler: Any, extra: Any, iteration: int | None,
              where: Coords) -> dict[str, Any]:
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "coords": where.as_dict(),
@@ -137,7 +157,10 @@ def save_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
     try:
         file = root / shard_name(where.rank)
         tmp = file.with_name(file.name + ".tmp")
-        torch.save(_payload(chunk_list, optimizer, scheduler, extra, iteration, where), tmp)
+        payload = _payload(chunk_list, optimizer, scheduler, extra, iteration, where)
+        with _without_crc32():
+            torch.save(payload, tmp)
+        del payload
         os.replace(tmp, file)
         first = where.tp == where.dp == where.ep == 0  # one rank per pipeline stage sends its record
         entry = {"name": file.name, "bytes": file.stat().st_size, "coords": where.as_dict(),
