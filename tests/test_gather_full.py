@@ -47,6 +47,8 @@ def _check(cases: list[dict[str, Any]], name: str) -> None:
     for rank, c in enumerate(cases):
         assert c["differ"] == [] and c["small_differ"] == [], (rank, c)
         assert c["dst_differ"] == [], (rank, c)  # rank 0: equal; the others: received nothing
+        # reuse_output=True: equal, then the same objects overwritten by the next call
+        assert c["reuse_differ"] == [] and c["reuse_overwritten_differ"] == [] and c["reuse_same_objects"], (rank, c)
         assert c["round_trip"] and c["format_version"] == 2
         assert c["small_chunks"] == c["n"] > 0
         assert c["buckets"] > 1 and c["buckets_over"] == [], c  # iter_full's memory bound: one bucket
