@@ -23,6 +23,7 @@ two EP ranks; one name on two pipeline stages; a missing shard) are refused befo
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -143,11 +144,11 @@ def _pow2_dividing(n: int, cap: int) -> int:
     return cap if n == 0 else min(n & -n, cap)
 
 
-def _staging_layout(spans: dict[tuple[int, int], tuple[int, int]], align: int) -> tuple[list[_Source], int]:
-    """The slices sent for a bucket (``spans``: ``(rank, buffer) -> (lo, hi)``), each at a staging offset
-    ``at`` congruent to ``lo`` modulo ``align``, in (rank, buffer) order; and the staging size."""
+def _staging_layout(spans: list[tuple[int, int, int, int]], align: int) -> tuple[list[_Source], int]:
+    """The slices sent for a bucket (``spans``: ``(rank, buffer, lo, hi)``), each at a staging offset ``at``
+    congruent to ``lo`` modulo ``align``, in (rank, buffer, lo) order; and the staging size."""
     sources, at = [], 0
-    for (rank, buffer), (lo, hi) in sorted(spans.items()):
+    for rank, buffer, lo, hi in sorted(spans):
         at += (lo - at) % align
         sources.append(_Source(rank, buffer, lo, hi, at))
         at += hi - lo
@@ -173,7 +174,7 @@ def _buckets(fulls: list[_Full], bucket_bytes: int) -> Iterator[list[_Full]]:
     for full in fulls:
         new, a = grown(full)
         item = dtype_from_name(full.first.dtype).itemsize
-        too_big = size + full.nbytes > bucket_bytes or _staging_layout(new, a)[1] * item > bucket_bytes
+        too_big = size + full.nbytes > bucket_bytes or _staging_layout([(*k, *v) for k, v in new.items()], a)[1] * item > bucket_bytes
         if bucket and (too_big or full.first.dtype != bucket[0].first.dtype):
             yield bucket
             bucket, spans, size, align = [], {}, 0, _MAX_ALIGN
@@ -240,6 +241,8 @@ class _Bucket:
     outputs: list[tuple[str, int, tuple[int, ...], tuple[int, ...]]]  # name, offset, shape, strides
     groups: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
     order: list[int] = field(default_factory=list)
+    #: pieces received straight into the output (``at``: offset in the output tensor), after ``sources``.
+    directs: list[_Source] = field(default_factory=list)
     #: ``reuse_output``: the output tensor and its ``(name, view)`` pairs per device, kept for the next call.
     kept: dict[torch.device, tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]] = field(default_factory=dict)
 
@@ -267,16 +270,53 @@ def _row_width(positions: torch.Tensor) -> tuple[int, int]:
     return g, int(positions[0]) % g
 
 
+def _contiguous_at(e: ManifestEntry, piece: int) -> int | None:
+    """Where TP piece ``piece`` (held as ``e``) starts in its full tensor when it is one contiguous block of it (a
+    tensor duplicated over TP, or split along its first dimension of more than one element with stride 1); else
+    ``None``."""
+    if not e.tp_split:
+        return 0
+    if e.partition_stride == 1 and all(n == 1 for n in e.shape[:e.partition_dim]):
+        return piece * e.numel
+    return None
+
+
 def _plan_bucket(bucket: list[_Full]) -> _Bucket:
-    spans: dict[tuple[int, int], tuple[int, int]] = {}
+    # the pieces of large tensors that are one block of their full tensor are received straight into the output;
+    # the others travel in slices (per source flat buffer, the runs of them between direct pieces) into staging
+    direct: dict[tuple[int, int, int], int] = {}  # (rank, buffer, offset) -> where in its full tensor
+    held: dict[tuple[int, int], list[tuple[int, int]]] = {}
     align = _MAX_ALIGN
     for f in bucket:
-        for rank, e in f.pieces.values():
-            lo, hi = spans.get((rank, e.buffer), (e.offset, e.offset + e.numel))
-            spans[(rank, e.buffer)] = (min(lo, e.offset), max(hi, e.offset + e.numel))
+        for piece, (rank, e) in f.pieces.items():
+            within = _contiguous_at(e, piece) if numel(f.shape) >= _BLOCK_COPY_NUMEL else None
+            if within is not None:
+                direct[(rank, e.buffer, e.offset)] = within
+            held.setdefault((rank, e.buffer), []).append((e.offset, e.offset + e.numel))
             align = _pow2_dividing(e.offset | e.numel, align)
+    spans: list[tuple[int, int, int, int]] = []  # rank, buffer, lo, hi
+    for (rank, buffer), items in sorted(held.items()):
+        run: list[int] | None = None
+        for lo, hi in sorted(items):
+            if (rank, buffer, lo) in direct:
+                if run is not None:
+                    spans.append((rank, buffer, run[0], run[1]))
+                run = None
+            else:
+                run = [lo, hi] if run is None else [run[0], max(run[1], hi)]
+        if run is not None:
+            spans.append((rank, buffer, run[0], run[1]))
     sources, at = _staging_layout(spans, align)
-    base = {(s.rank, s.buffer): s.at - s.lo for s in sources}
+    starts: dict[tuple[int, int], list[_Source]] = {}
+    for src in sources:  # in lo order per (rank, buffer)
+        starts.setdefault((src.rank, src.buffer), []).append(src)
+    los = {k: [x.lo for x in v] for k, v in starts.items()}
+
+    def staged(rank: int, e: ManifestEntry) -> int:
+        """Staging position of the piece held as ``e`` by group rank ``rank``."""
+        src = starts[(rank, e.buffer)][bisect.bisect_right(los[(rank, e.buffer)], e.offset) - 1]
+        return src.at + e.offset - src.lo
+
     # small tensors: element positions, then grouped by row width (and, within a group, by shape)
     by_rows: dict[tuple[int, int], list[tuple[_Full, torch.Tensor]]] = {}
     for f in bucket:
@@ -284,7 +324,7 @@ def _plan_bucket(bucket: list[_Full]) -> _Bucket:
             continue
         target = torch.empty(f.shape, dtype=torch.long)
         for piece, (rank, e) in f.pieces.items():
-            start = base[(rank, e.buffer)] + e.offset
+            start = staged(rank, e)
             positions = torch.arange(start, start + e.numel, dtype=torch.long).view(e.shape)
             if e.tp_split:
                 place_shard(target, positions, e.partition_dim, e.partition_stride, piece, e.tp_size)
@@ -304,15 +344,19 @@ def _plan_bucket(bucket: list[_Full]) -> _Bucket:
             o += numel(f.shape)
         index = torch.cat([flat for _, flat in members])[::width]
         rows.append(_Rows(width, shift, first, o - first, torch.div(index - shift, width, rounding_mode="floor")))
-    copies = []
+    copies, directs = [], []
     for f in bucket:
         if f.name in where:
             continue
         where[f.name] = o
         layout.append((f.name, o, f.shape))
         for piece, (rank, e) in f.pieces.items():
-            copies.append(_Copy(o, f.shape, base[(rank, e.buffer)] + e.offset, e.shape,
-                                e.partition_dim if e.tp_split else -1, e.partition_stride, piece, e.tp_size))
+            within = direct.get((rank, e.buffer, e.offset))
+            if within is not None:
+                directs.append(_Source(rank, e.buffer, e.offset, e.offset + e.numel, o + within))
+            else:
+                copies.append(_Copy(o, f.shape, staged(rank, e), e.shape, e.partition_dim if e.tp_split else -1,
+                                    e.partition_stride, piece, e.tp_size))
         o += numel(f.shape)
     groups: list[tuple[int, int, tuple[int, ...]]] = []
     for _, offset, shape in layout:
@@ -323,7 +367,7 @@ def _plan_bucket(bucket: list[_Full]) -> _Bucket:
     position = {name: i for i, (name, _, _) in enumerate(layout)}
     outputs = [(f.name, where[f.name], f.shape, contiguous_strides(f.shape)) for f in bucket]
     return _Bucket(dtype_from_name(bucket[0].first.dtype), sources, at, o, rows, copies, outputs, groups,
-                   [position[f.name] for f in bucket])
+                   [position[f.name] for f in bucket], sorted(directs, key=lambda d: (d.rank, d.buffer, d.lo)))
 
 
 def _staging(binding: ParamBinding, b: _Bucket, device: torch.device, reuse: bool) -> torch.Tensor:
@@ -341,17 +385,18 @@ def _staging(binding: ParamBinding, b: _Bucket, device: torch.device, reuse: boo
 
 
 @own_tensor_math
-def _start(b: _Bucket, own: list[torch.Tensor], staging: torch.Tensor | None, me: int, dst: int | None,
-           ranks: list[int], group: Any) -> list[Any]:
-    """Start moving bucket ``b``'s slices into ``staging`` (``None`` on ranks that only send); returns the works to
-    wait for. Every collective of the bucket is started before any is waited for, so they overlap each other (gloo
-    runs them on its worker threads) and the making of the output views (:func:`_outputs`)."""
+def _start(b: _Bucket, own: list[torch.Tensor], staging: torch.Tensor | None, out: torch.Tensor | None, me: int,
+           dst: int | None, ranks: list[int], group: Any) -> list[Any]:
+    """Start moving bucket ``b``'s slices into ``staging`` and its direct pieces into ``out`` (both ``None`` on
+    ranks that only send); returns the works to wait for. Every collective of the bucket is started before any is
+    waited for, so they overlap each other (gloo runs them on its worker threads) and the making of the output
+    views (:func:`_views`)."""
     import torch.distributed as dist
 
     works = []
-    for src in b.sources:
+    for src, target in [(s, staging) for s in b.sources] + [(d, out) for d in b.directs]:
         mine = own[src.buffer][src.lo:src.hi] if src.rank == me else None
-        into = staging[src.at:src.at + src.hi - src.lo] if staging is not None else None
+        into = target[src.at:src.at + src.hi - src.lo] if target is not None else None
         work = None
         if dst is None:
             moved = mine if mine is not None else into
@@ -370,17 +415,16 @@ def _start(b: _Bucket, own: list[torch.Tensor], staging: torch.Tensor | None, me
 
 
 @own_tensor_math
-def _outputs(b: _Bucket, device: torch.device) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
-    """A new tensor for bucket ``b``'s output and its ``(name, view)`` pairs in output order, one ``unbind`` per
-    run of equal shapes (filled later by :func:`_assemble`)."""
-    out = torch.empty(b.total, dtype=b.dtype, device=device)
+def _views(b: _Bucket, out: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The ``(name, view)`` pairs of bucket ``b``'s output tensor ``out`` in output order, one ``unbind`` per run
+    of equal shapes."""
     views: list[torch.Tensor] = []
     for offset, count, shape in b.groups:
         if count == 1:
             views.append(out.as_strided(shape, contiguous_strides(shape), offset))
         else:
             views.extend(out[offset:offset + count * numel(shape)].view(count, *shape).unbind(0))
-    return out, [(name, views[i]) for (name, _, _, _), i in zip(b.outputs, b.order, strict=True)]
+    return [(name, views[i]) for (name, _, _, _), i in zip(b.outputs, b.order, strict=True)]
 
 
 @own_tensor_math
@@ -489,15 +533,20 @@ def iter_full(binding: ParamBinding, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     receive = dst is None or dst == me
     for b in buckets:
         staging = _staging(binding, b, device, reuse_buffers) if receive else None
-        works = _start(b, own, staging, me, dst, ranks, group)
         if staging is None:
-            for work in works:
+            for work in _start(b, own, None, None, me, dst, ranks, group):
                 work.wait()
             continue
-        if reuse_output:  # the tensors of the previous call, overwritten
-            out, pairs = b.kept[device] if device in b.kept else b.kept.setdefault(device, _outputs(b, device))
+        kept = b.kept.get(device) if reuse_output else None
+        if kept is not None:  # the tensors of the previous call, overwritten
+            out, pairs = kept
+            works = _start(b, own, staging, out, me, dst, ranks, group)
         else:  # views of one new tensor (never of staging), made while the data moves
-            out, pairs = _outputs(b, device)
+            out = torch.empty(b.total, dtype=b.dtype, device=device)
+            works = _start(b, own, staging, out, me, dst, ranks, group)
+            pairs = _views(b, out)
+            if reuse_output:
+                b.kept[device] = (out, pairs)
         _assemble(b, staging, out, works)
         yield from pairs
         del out, pairs, staging
