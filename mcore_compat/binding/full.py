@@ -8,17 +8,24 @@ plans the same transfer:
 1. each full tensor needs one piece per TP rank (one piece when it is duplicated over TP); the first rank of the
    group holding a piece sends it (DP and expert-DP replicas send nothing; a tied output-layer copy is skipped:
    the input embedding stands for it);
-2. full tensors are taken in order into buckets of at most ``bucket_bytes`` (output bytes, and bytes of each
-   slice sent); for each bucket each source rank sends, per flat buffer, the one contiguous slice that holds its
-   pieces (one collective per flat buffer slice: a ``broadcast`` over the group, or ``send``/``recv`` to
-   ``dst``);
-3. the receiver puts every element in its place with one ``index_select`` per bucket (the index, planned once
-   with :func:`~.placement.place_shard` on element positions, is the TP concatenation along
-   ``partition_dim``, stride-interleaved), then frees the received slices.
+2. full tensors are taken in order into buckets of at most ``bucket_bytes`` (output bytes, and bytes of the
+   slices received into staging); for each bucket each source rank sends, per flat buffer, the one contiguous
+   slice that holds its pieces (one collective per flat buffer slice: a ``broadcast`` over the group, or
+   ``send``/``recv`` to ``dst``), except that a piece of a large tensor (``_BLOCK_COPY_NUMEL`` elements or more)
+   that is one block of its full tensor (duplicated over TP, or split along dim 0 with stride 1) is sent on its
+   own, straight into its place in the output (the slices are then the runs of pieces between such pieces). All
+   collectives of a bucket are started before any is waited for (they overlap; gloo runs them on its worker
+   threads) and the output views are made meanwhile;
+3. the receiver puts every other element in its place by one ``index_select`` of rows per row width (the
+   index, planned once with :func:`~.placement.place_shard` on element positions, is the TP concatenation along
+   ``partition_dim``, stride-interleaved; each small tensor is copied in rows as wide as its contiguous runs
+   allow: a whole dim-0 TP piece, a row of a dim-1 one) and block copies for the pieces of large tensors that
+   are not one block, then frees the received slices.
 
 Peak memory beyond the output: one bucket of received slices (at most ``bucket_bytes``, or one tensor's shards
-when they are larger). Inconsistent manifests (a tensor's TP shards disagreeing on dim, stride or size; an expert claimed by
-two EP ranks; one name on two pipeline stages; a missing shard) are refused before anything moves.
+when they are larger); with ``reuse_output=True`` the output tensors are kept and refilled by the next call.
+Inconsistent manifests (a tensor's TP shards disagreeing on dim, stride or size; an expert claimed by two EP
+ranks; one name on two pipeline stages; a missing shard) are refused before anything moves.
 """
 
 from __future__ import annotations
@@ -481,7 +488,7 @@ def iter_full(binding: ParamBinding, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     Collective: each bucket is a round of collectives that every member of ``group`` takes part in, so every rank
     iterates to the end (ranks other than ``dst`` yield nothing). The tensors of one bucket are views of one new
-    tensor (never of the flat buffers); dropping a bucket's tensors once an engine has loaded them bounds the
+    tensor (never of the flat buffers; with ``reuse_output``, of the one kept from the previous call); dropping a bucket's tensors once an engine has loaded them bounds the
     memory to one bucket of output plus one bucket of received slices. The first call plans the transfer (one
     ``all_gather_object`` of the manifests and of the unbound names) and caches it on the binding.
 
