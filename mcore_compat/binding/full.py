@@ -31,8 +31,10 @@ ranks; one name on two pipeline stages; a missing shard) are refused before anyt
 from __future__ import annotations
 
 import bisect
+import gc
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -421,10 +423,35 @@ def _start(b: _Bucket, own: list[torch.Tensor], staging: torch.Tensor | None, ou
     return works
 
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while the block runs (as it was after it).
+
+    Making thousands of tensors and tuples that all stay alive triggers a young-generation collection every 700
+    of them (each tensor is a tracked container), which walks the ones made so far and promotes them, and every
+    tenth of those a middle-generation one: in a training process that was a third of ``gather_full``'s time for
+    2,000 small tensors (CPU). Paused, the objects are walked once, at the first collection after the block. The
+    block makes no reference cycles, so nothing is left for the collector that it would otherwise have freed.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 @own_tensor_math
 def _views(b: _Bucket, out: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """The ``(name, view)`` pairs of bucket ``b``'s output tensor ``out`` in output order, one ``unbind`` per run
-    of equal shapes."""
+    of equal shapes (with the garbage collector paused: :func:`_gc_paused`)."""
+    with _gc_paused():
+        return _make_views(b, out)
+
+
+def _make_views(b: _Bucket, out: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     views: list[torch.Tensor] = []
     for offset, count, shape in b.groups:
         if count == 1:
@@ -579,5 +606,6 @@ def gather_full(binding: ParamBinding, *, dst: int | None = None, group: Any = N
     Returns:
         ``{name: full tensor}`` on receiving ranks, ``{}`` on the others (views of one tensor per bucket).
     """
-    return dict(iter_full(binding, bucket_bytes=bucket_bytes, dst=dst, group=group, reuse_buffers=reuse_buffers,
-                          reuse_output=reuse_output))
+    with _gc_paused():  # the dict and its tensors too (see _gc_paused)
+        return dict(iter_full(binding, bucket_bytes=bucket_bytes, dst=dst, group=group,
+                              reuse_buffers=reuse_buffers, reuse_output=reuse_output))
