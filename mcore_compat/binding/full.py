@@ -36,6 +36,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Final
 
 import torch
@@ -183,7 +184,8 @@ def _buckets(fulls: list[_Full], bucket_bytes: int) -> Iterator[list[_Full]]:
     for full in fulls:
         new, a = grown(full)
         item = dtype_from_name(full.first.dtype).itemsize
-        too_big = size + full.nbytes > bucket_bytes or _staging_layout([(*k, *v) for k, v in new.items()], a)[1] * item > bucket_bytes
+        staged = _staging_layout([(*k, *v) for k, v in new.items()], a)[1]
+        too_big = size + full.nbytes > bucket_bytes or staged * item > bucket_bytes
         if bucket and (too_big or full.first.dtype != bucket[0].first.dtype):
             yield bucket
             bucket, spans, size, align = [], {}, 0, _MAX_ALIGN
@@ -252,8 +254,13 @@ class _Bucket:
     order: list[int] = field(default_factory=list)
     #: pieces received straight into the output (``at``: offset in the output tensor), after ``sources``.
     directs: list[_Source] = field(default_factory=list)
-    #: ``reuse_output``: the output tensor and its ``(name, view)`` pairs per device, kept for the next call.
-    kept: dict[torch.device, tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]] = field(default_factory=dict)
+    #: ``reuse_output``: the output tensor and its views (in output order) per device, kept for the next call.
+    kept: dict[torch.device, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
+
+    @cached_property
+    def names(self) -> list[str]:
+        """The names of the full tensors, in output order."""
+        return [name for name, _, _, _ in self.outputs]
 
 
 def _gcd_with(values: torch.Tensor, g: int) -> int:
@@ -444,21 +451,17 @@ def _gc_paused() -> Iterator[None]:
 
 
 @own_tensor_math
-def _views(b: _Bucket, out: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """The ``(name, view)`` pairs of bucket ``b``'s output tensor ``out`` in output order, one ``unbind`` per run
-    of equal shapes (with the garbage collector paused: :func:`_gc_paused`)."""
+def _views(b: _Bucket, out: torch.Tensor) -> list[torch.Tensor]:
+    """The views of bucket ``b``'s output tensor ``out``, one per full tensor, in output order (names:
+    ``b.names``), one ``unbind`` per run of equal shapes (with the garbage collector paused: :func:`_gc_paused`)."""
     with _gc_paused():
-        return _make_views(b, out)
-
-
-def _make_views(b: _Bucket, out: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    views: list[torch.Tensor] = []
-    for offset, count, shape in b.groups:
-        if count == 1:
-            views.append(out.as_strided(shape, contiguous_strides(shape), offset))
-        else:
-            views.extend(out[offset:offset + count * numel(shape)].view(count, *shape).unbind(0))
-    return [(name, views[i]) for (name, _, _, _), i in zip(b.outputs, b.order, strict=True)]
+        views: list[torch.Tensor] = []
+        for offset, count, shape in b.groups:
+            if count == 1:
+                views.append(out.as_strided(shape, contiguous_strides(shape), offset))
+            else:
+                views.extend(out[offset:offset + count * numel(shape)].view(count, *shape).unbind(0))
+        return [views[i] for i in b.order]
 
 
 @own_tensor_math
@@ -508,6 +511,49 @@ def _default_group() -> Any:
     return dist.group.WORLD
 
 
+def _gather(binding: ParamBinding, bucket_bytes: int, dst: int | None, group: Any, reuse_buffers: bool,
+            reuse_output: bool) -> Iterator[tuple[list[str], list[torch.Tensor]]]:
+    """:func:`iter_full`'s work: per bucket, the names and the full tensors, in output order."""
+    import torch.distributed as dist
+
+    own = binding.flat_buffers()
+    if bucket_bytes < 1:
+        raise BindingError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    group = group if group is not None else _default_group()
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    if dst is not None and not 0 <= dst < size:
+        raise BindingError(f"dst={dst} is not a rank of the group (size {size})")
+    buckets = _planned(binding, group, bucket_bytes)
+    if own:
+        device = own[0].device
+    elif dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    ranks = dist.get_process_group_ranks(group)
+    receive = dst is None or dst == me
+    for b in buckets:
+        staging = _staging(binding, b, device, reuse_buffers) if receive else None
+        if staging is None:
+            for work in _start(b, own, None, None, me, dst, ranks, group):
+                work.wait()
+            continue
+        kept = b.kept.get(device) if reuse_output else None
+        if kept is not None:  # the tensors of the previous call, overwritten
+            out, views = kept
+            works = _start(b, own, staging, out, me, dst, ranks, group)
+        else:  # views of one new tensor (never of staging), made while the data moves
+            out = torch.empty(b.total, dtype=b.dtype, device=device)
+            works = _start(b, own, staging, out, me, dst, ranks, group)
+            views = _views(b, out)
+            if reuse_output:
+                b.kept[device] = (out, views)
+        _assemble(b, staging, out, works)
+        yield b.names, views
+        del out, views, staging
+
+
+
 def iter_full(binding: ParamBinding, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dst: int | None = None,
               group: Any = None, reuse_buffers: bool = False,
               reuse_output: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -515,8 +561,9 @@ def iter_full(binding: ParamBinding, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     Collective: each bucket is a round of collectives that every member of ``group`` takes part in, so every rank
     iterates to the end (ranks other than ``dst`` yield nothing). The tensors of one bucket are views of one new
-    tensor (never of the flat buffers; with ``reuse_output``, of the one kept from the previous call); dropping a bucket's tensors once an engine has loaded them bounds the
-    memory to one bucket of output plus one bucket of received slices. The first call plans the transfer (one
+    tensor (never of the flat buffers; with ``reuse_output``, of the one kept from the previous call); dropping a
+    bucket's tensors once an engine has loaded them bounds the memory to one bucket of output plus one bucket of
+    received slices. The first call plans the transfer (one
     ``all_gather_object`` of the manifests and of the unbound names) and caches it on the binding.
 
     Args:
@@ -547,43 +594,8 @@ def iter_full(binding: ParamBinding, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
             grouped-GEMM expert tensor (several experts in one parameter), or the manifests disagree (raised on
             every rank before anything moves).
     """
-    import torch.distributed as dist
-
-    own = binding.flat_buffers()
-    if bucket_bytes < 1:
-        raise BindingError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    group = group if group is not None else _default_group()
-    size, me = dist.get_world_size(group), dist.get_rank(group)
-    if dst is not None and not 0 <= dst < size:
-        raise BindingError(f"dst={dst} is not a rank of the group (size {size})")
-    buckets = _planned(binding, group, bucket_bytes)
-    if own:
-        device = own[0].device
-    elif dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    ranks = dist.get_process_group_ranks(group)
-    receive = dst is None or dst == me
-    for b in buckets:
-        staging = _staging(binding, b, device, reuse_buffers) if receive else None
-        if staging is None:
-            for work in _start(b, own, None, None, me, dst, ranks, group):
-                work.wait()
-            continue
-        kept = b.kept.get(device) if reuse_output else None
-        if kept is not None:  # the tensors of the previous call, overwritten
-            out, pairs = kept
-            works = _start(b, own, staging, out, me, dst, ranks, group)
-        else:  # views of one new tensor (never of staging), made while the data moves
-            out = torch.empty(b.total, dtype=b.dtype, device=device)
-            works = _start(b, own, staging, out, me, dst, ranks, group)
-            pairs = _views(b, out)
-            if reuse_output:
-                b.kept[device] = (out, pairs)
-        _assemble(b, staging, out, works)
-        yield from pairs
-        del out, pairs, staging
+    for names, tensors in _gather(binding, bucket_bytes, dst, group, reuse_buffers, reuse_output):
+        yield from zip(names, tensors, strict=True)
 
 
 def gather_full(binding: ParamBinding, *, dst: int | None = None, group: Any = None,
@@ -606,6 +618,8 @@ def gather_full(binding: ParamBinding, *, dst: int | None = None, group: Any = N
     Returns:
         ``{name: full tensor}`` on receiving ranks, ``{}`` on the others (views of one tensor per bucket).
     """
-    with _gc_paused():  # the dict and its tensors too (see _gc_paused)
-        return dict(iter_full(binding, bucket_bytes=bucket_bytes, dst=dst, group=group,
-                              reuse_buffers=reuse_buffers, reuse_output=reuse_output))
+    full: dict[str, torch.Tensor] = {}
+    with _gc_paused():  # the dict too (see _gc_paused)
+        for names, tensors in _gather(binding, bucket_bytes, dst, group, reuse_buffers, reuse_output):
+            full.update(zip(names, tensors, strict=True))
+    return full
