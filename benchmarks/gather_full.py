@@ -14,7 +14,9 @@ rank receives the whole model:
 * ``gather_full``: ``mcore_compat.gather_full(binding, reuse_buffers=True)`` (one slice per source flat buffer
   into a receive tensor kept from the previous call, TP concatenation on the receiving side into new output
   tensors; the manifests and the transfer plan are made once and cached); ``gather_full_fresh``: the same with
-  a fresh receive tensor per call (the default);
+  a fresh receive tensor per call (the default); ``gather_full_reuse_output``: ``reuse_buffers=True,
+  reuse_output=True`` (the output tensors of the previous call refilled and returned again, so that, like
+  ``flat``, it receives into memory kept between calls: no allocation, page faults or views per call);
 * ``per_tensor``: what RL frameworks do today: every parameter shard broadcast from its rank, one collective
   each (the receiver allocates it), then the TP shards of each tensor concatenated (shapes exchanged once
   beforehand, like gather_full's cached manifests);
@@ -22,12 +24,17 @@ rank receives the whole model:
   (the bandwidth bound; it moves nothing into place).
 
 GB/s = bytes of the full model / time. Goals (for ``gather_full``): gather_full/flat >= 0.8 and
-gather_full/per_tensor >= 20 (many_small).
+gather_full/per_tensor >= 20 (many_small); the goal on the flat ratio is also shown for
+``gather_full_reuse_output``, the like-for-like comparison with ``flat`` (both fill memory kept between calls;
+``gather_full`` returns new tensors, 2,000 of them in ``many_small``).
 
 JSON (``results.<model>``): ``layers_per_stage``, ``hidden``, ``full_tensors``, ``shards``, ``total_bytes``,
 ``same_content`` (gather_full equals the per-tensor result on every rank), ``time_s`` (per method: median, mean,
 min, max, stdev, n), ``raw_times_s``, ``GBps``, ``ratio_gather_full_over_flat``,
-``ratio_gather_full_over_per_tensor``, ``ratio_gather_full_fresh_over_flat``.
+``ratio_gather_full_over_per_tensor``, ``ratio_gather_full_fresh_over_flat``,
+``ratio_gather_full_reuse_output_over_flat``, ``ratio_gather_full_reuse_output_over_per_tensor``;
+``ratio_per_repetition`` (the spread: per ratio over flat, the ratio within each repetition, where the methods ran
+side by side, as ``stats``).
 
     python3 benchmarks/gather_full.py --device cpu          # gloo, world 4
 """
@@ -50,7 +57,7 @@ MODELS = {
     "cpu": {"many_small": (500, 32), "few_large": (4, 1024)},
 }
 REPS = {"cuda": (3, 10), "cpu": (2, 5)}
-METHODS = ("gather_full", "gather_full_fresh", "per_tensor", "flat")
+METHODS = ("gather_full", "gather_full_fresh", "gather_full_reuse_output", "per_tensor", "flat")
 TP, PP = 2, 2
 
 
@@ -132,7 +139,9 @@ def _measure(layers: int, hidden: int, device: str, seed: int, warmup: int, reps
         dist.broadcast(flat_all, src=0)
 
     fns = {"gather_full": lambda: mc.gather_full(binding, reuse_buffers=True),
-           "gather_full_fresh": lambda: mc.gather_full(binding), "per_tensor": per_tensor, "flat": flat}
+           "gather_full_fresh": lambda: mc.gather_full(binding),
+           "gather_full_reuse_output": lambda: mc.gather_full(binding, reuse_buffers=True, reuse_output=True),
+           "per_tensor": per_tensor, "flat": flat}
     barrier_kwargs = {"device_ids": [torch.cuda.current_device()]} if device == "cuda" else {}
 
     def timed(fn: Any) -> float:
@@ -148,9 +157,10 @@ def _measure(layers: int, hidden: int, device: str, seed: int, warmup: int, reps
         for m in METHODS:
             timed(fns[m])
     ref, got = per_tensor(), mc.gather_full(binding)
-    same = sorted(ref) == sorted(got) and all(torch.equal(ref[k], got[k]) for k in ref)
+    kept = mc.gather_full(binding, reuse_buffers=True, reuse_output=True)
+    same = all(sorted(ref) == sorted(g) and all(torch.equal(ref[k], g[k]) for k in ref) for g in (got, kept))
     n_full = len(got)
-    del ref, got
+    del ref, got, kept
     times: dict[str, list[float]] = {m: [] for m in METHODS}
     for r in range(reps):
         order = METHODS[r % len(METHODS):] + METHODS[:r % len(METHODS)]
@@ -211,17 +221,28 @@ def main() -> int:
             "ratio_gather_full_over_flat": gbps["gather_full"] / gbps["flat"],
             "ratio_gather_full_over_per_tensor": gbps["gather_full"] / gbps["per_tensor"],
             "ratio_gather_full_fresh_over_flat": gbps["gather_full_fresh"] / gbps["flat"],
+            "ratio_gather_full_reuse_output_over_flat": gbps["gather_full_reuse_output"] / gbps["flat"],
+            "ratio_gather_full_reuse_output_over_per_tensor": gbps["gather_full_reuse_output"] / gbps["per_tensor"],
+            "ratio_per_repetition": {f"{k}_over_flat": C.stats([f / g for f, g in zip(times["flat"], times[k],
+                                                                                         strict=True)])
+                                     for k in ("gather_full", "gather_full_fresh", "gather_full_reuse_output")},
         }
         label = f"{m} ({r0['full_tensors']} full tensors, {r0['shards']} shards, {C.fmt_bytes(total)})"
         headline += [
             C.metric(f"{label}: gather_full (reused receive buffer)", gbps["gather_full"], "GB/s"),
             C.metric(f"{label}: gather_full (fresh receive buffer)", gbps["gather_full_fresh"], "GB/s"),
+            C.metric(f"{label}: gather_full (reused receive buffer and output)", gbps["gather_full_reuse_output"],
+                     "GB/s"),
             C.metric(f"{label}: per-tensor broadcast + TP concat", gbps["per_tensor"], "GB/s"),
             C.metric(f"{label}: one flat broadcast", gbps["flat"], "GB/s"),
             C.metric(f"{label}: gather_full / flat", results[m]["ratio_gather_full_over_flat"], "x", goal=">= 0.8"),
             C.metric(f"{label}: gather_full / per-tensor", results[m]["ratio_gather_full_over_per_tensor"], "x",
                      goal=">= 20" if m == "many_small" else None),
             C.metric(f"{label}: gather_full (fresh) / flat", results[m]["ratio_gather_full_fresh_over_flat"], "x"),
+            C.metric(f"{label}: gather_full (reused output) / flat",
+                     results[m]["ratio_gather_full_reuse_output_over_flat"], "x", goal=">= 0.8"),
+            C.metric(f"{label}: gather_full (reused output) / per-tensor",
+                     results[m]["ratio_gather_full_reuse_output_over_per_tensor"], "x"),
             C.metric(f"{label}: same content", float(results[m]["same_content"]), "", goal="== 1"),
         ]
     config = {"world_size": TP * PP, "tensor_model_parallel_size": TP, "pipeline_model_parallel_size": PP,

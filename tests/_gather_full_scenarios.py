@@ -175,6 +175,7 @@ def _attempt(binding: Any, want: dict[str, Any]) -> dict[str, Any]:
 
 
 def _case(world: int, name: str) -> dict[str, Any]:
+    import torch
     import torch.distributed as dist
 
     from mcore_compat import gather_full, iter_full
@@ -189,6 +190,28 @@ def _case(world: int, name: str) -> dict[str, Any]:
     got = gather_full(binding)
     to_rank0 = gather_full(binding, dst=0)
     small = list(iter_full(binding, bucket_bytes=4096))
+    # reuse_output: the same tensor objects on the next call, overwritten with the weights of then (doubled here)
+    kept = gather_full(binding, reuse_output=True, reuse_buffers=True)
+    reuse_differ = _differ(kept, want)
+    with torch.no_grad():
+        for flat in binding.flat_buffers():
+            flat.mul_(2)
+        again = gather_full(binding, reuse_output=True, reuse_buffers=True)
+        overwritten = _differ(kept, {n: 2 * t for n, t in want.items()})
+        for flat in binding.flat_buffers():
+            flat.div_(2)
+    same_objects = sorted(kept) == sorted(again) and all(kept[n] is again[n] for n in kept)
+    # every tensor taken as large: its pieces received straight into the output where they are one block of it
+    # (duplicated, or split along dim 0 with stride 1), block copies from the staging tensor for the others
+    from mcore_compat.binding import full as full_module
+
+    small_numel, full_module._BLOCK_COPY_NUMEL = full_module._BLOCK_COPY_NUMEL, 1
+    try:
+        blocks = gather_full(binding, bucket_bytes=2**20 + 1)
+        blocks_dst = gather_full(binding, bucket_bytes=2**20 + 1, dst=0)
+    finally:
+        full_module._BLOCK_COPY_NUMEL = small_numel
+    (_, block_buckets), = [v for k, v in binding._full_plans.items() if k[1] == 2**20 + 1]
     # every bucket of several tensors stays within 4096 bytes of output and of received slices
     (_, buckets), = [v for k, v in binding._full_plans.items() if k[1] == 4096]
     over = [(b.total, b.staging) for b in buckets if len(b.outputs) > 1
@@ -197,7 +220,12 @@ def _case(world: int, name: str) -> dict[str, Any]:
         "status": "ok", "n": len(want), "differ": _differ(got, want),
         "dst_differ": _differ(to_rank0, want) if dist.get_rank() == 0 else sorted(to_rank0),
         "small_differ": _differ(dict(small), want), "small_chunks": len(small), "buckets_over": over,
-        "buckets": len(buckets),
+        "buckets": len(buckets), "reuse_differ": reuse_differ, "reuse_overwritten_differ": overwritten,
+        "reuse_same_objects": same_objects,
+        "blocks_differ": _differ(blocks, want),
+        "blocks_dst_differ": _differ(blocks_dst, want) if dist.get_rank() == 0 else sorted(blocks_dst),
+        "blocks_directs": sum(len(b.directs) for b in block_buckets),
+        "blocks_copies": sum(len(b.copies) for b in block_buckets),
         "round_trip": Manifest.from_json(manifest.to_json()) == manifest,
         "format_version": manifest.format_version, "mode": binding.mode, "unbound": list(binding.unbound),
         "vp_stages": sorted({e.vp_stage for e in manifest.params if e.vp_stage is not None}),

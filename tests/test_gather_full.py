@@ -47,13 +47,17 @@ def _check(cases: list[dict[str, Any]], name: str) -> None:
     for rank, c in enumerate(cases):
         assert c["differ"] == [] and c["small_differ"] == [], (rank, c)
         assert c["dst_differ"] == [], (rank, c)  # rank 0: equal; the others: received nothing
+        # reuse_output=True: equal, then the same objects overwritten by the next call
+        assert c["reuse_differ"] == [] and c["reuse_overwritten_differ"] == [] and c["reuse_same_objects"], (rank, c)
+        # every tensor taken as large: pieces received straight into the output, block copies for the others
+        assert c["blocks_differ"] == [] and c["blocks_dst_differ"] == [] and c["blocks_directs"] > 0, (rank, c)
         assert c["round_trip"] and c["format_version"] == 2
         assert c["small_chunks"] == c["n"] > 0
         assert c["buckets"] > 1 and c["buckets_over"] == [], c  # iter_full's memory bound: one bucket
         if "wrong_stride" in c:
             assert c["wrong_stride"]["refused"] is None and c["wrong_stride"]["differ"], c["wrong_stride"]
     if "tp2" in name:
-        assert all(c["split"] > 0 and "wrong_stride" in c for c in cases)
+        assert all(c["split"] > 0 and "wrong_stride" in c and c["blocks_copies"] > 0 for c in cases)
     if "vpp2" in name:
         assert all(c["vp_stages"] == [0, 1] for c in cases)
     if "ep2" in name:
