@@ -26,7 +26,9 @@ there than the memory is worth).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,8 +71,8 @@ def _plain_copy(module: Any, share_weights: bool = False) -> Any:
     for sub in module.modules():
         for attr in ("config", "ddp_config", "pg_collection"):
             value = sub.__dict__.get(attr)
-            if value is not None:
-                memo[id(value)] = value
+            if value is not None and id(value) not in memo:
+                memo[id(value)] = _without_hooks(value) if share_weights and attr == "config" else value
     cls = dist.ProcessGroup
     had = "__deepcopy__" in cls.__dict__
     previous = cls.__dict__.get("__deepcopy__")
@@ -82,6 +84,58 @@ def _plain_copy(module: Any, share_weights: bool = False) -> Any:
             setattr(cls, "__deepcopy__", previous)
         else:
             delattr(cls, "__deepcopy__")
+
+
+#: the schedule's hooks a model config holds (they reach the DDP-wrapped model; the copy runs no schedule)
+_CONFIG_HOOKS = ("finalize_model_grads_func", "grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func")
+
+
+def _without_hooks(config: Any) -> Any:
+    """A shallow copy of a model config with the schedule's hooks cleared, so that a copy of the model kept for
+    later checks holds no reference to the model itself (else the model could never be freed); the config itself
+    where it is not a dataclass with those fields."""
+    if not dataclasses.is_dataclass(config) or not any(hasattr(config, h) for h in _CONFIG_HOOKS):
+        return config
+    out = copy.copy(config)
+    for hook in _CONFIG_HOOKS:
+        if hasattr(out, hook):
+            setattr(out, hook, None)
+    return out
+
+
+#: the weight-sharing copy made for a module (its key), reused by the next one-step check of it while valid
+_SHARED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _shared_copy(module: Any) -> Any:
+    """:func:`_plain_copy` with ``share_weights``, reused from the last call for ``module`` where each parameter
+    of the copy still views the storage, shape and dtype of the module's (else made anew); the buffers are copied
+    from the module again, so the copy runs on its current state. One deep copy of the module's structure per
+    module instead of per check (~40 ms per check of the 0.94 B benchmark GPT on an H200). The copy holds no
+    reference to the module (:func:`_without_hooks`), so the entry goes with the module."""
+    import torch
+
+    kept = _SHARED.get(module)
+    if kept is not None:
+        theirs = dict(kept.named_parameters())
+        mine = list(module.named_parameters())
+        buffers = dict(kept.named_buffers())
+        valid = len(theirs) == len(mine) and all(
+            n in theirs and theirs[n].data_ptr() == p.data_ptr() and theirs[n].shape == p.shape
+            and theirs[n].dtype == p.dtype and theirs[n].requires_grad == p.requires_grad for n, p in mine) \
+            and all(n in buffers and buffers[n].shape == b.shape and buffers[n].dtype == b.dtype
+                    for n, b in module.named_buffers())
+        if valid:
+            with torch.no_grad():
+                for n, b in module.named_buffers():
+                    buffers[n].copy_(b)
+            for p in kept.parameters():
+                p.grad = None
+            for theirs_m, mine_m in zip(kept.modules(), module.modules(), strict=False):
+                theirs_m.training = mine_m.training
+            return kept
+    kept = _SHARED[module] = _plain_copy(module, share_weights=True)
+    return kept
 
 
 @dataclass
@@ -127,7 +181,7 @@ class PlainReference:
         self.per_token_loss = per_token_loss
         self.share_weights = share_weights
         self.originals = [unwrap_ddp(c) for c in chunks]
-        self.copies = [_plain_copy(m, share_weights) for m in self.originals]
+        self.copies = [_shared_copy(m) if share_weights else _plain_copy(m) for m in self.originals]
         self.groups = groups
         self.grad_dtype = grad_dtype
         self.pairs: list[list[tuple[Any, Any]]] = []
