@@ -378,7 +378,7 @@ def test_check_training_step_on_own_model(own_model: dict[str, dict], case: str)
         # unless switched off
         checked = result["settings"]["update_checked"]
         assert checked == ("from a snapshot of the whole state (MCORE_COMPAT_STREAM=0)" if "snapshot" in case
-                           else "inside the optimizer step, in 8 parts"), checked
+                           else "inside the optimizer step, in 4 parts"), checked
     if case == "good-dropout":
         # the reference replayed the step's dropout masks, and put the random state back where the step left it:
         # the same as after the same step unchecked (the step itself moved it: dropout drew masks)

@@ -29,7 +29,7 @@ own model is also compared with a model written independently from the math (``i
 
 Cost: the reference shares the model's weights (one step only), so it adds a gradient and a bound per parameter
 while it runs, and one more forward and backward. The update is checked inside the optimizer step, part by part
-(:mod:`.in_step`: about 1/8 of the main params and their state copied at a time), where the inner optimizer
+(:mod:`.in_step`: about a quarter of the main params and their state copied at a time), where the inner optimizer
 updates each element on its own (torch's, apex's and TransformerEngine's Adam and SGD); fp32 finalized gradients
 are copied once (the optimizer clips them in place). Otherwise the whole pre-step state is snapshotted (about
 four fp32 copies of this rank's main params; on CUDA partly in pinned host memory when the device is short). The

@@ -37,13 +37,13 @@ def enabled(device: Any) -> bool:
 
 def _build() -> bool:
     try:
-        import triton
+        from . import _triton_kernel
 
-        from ._triton_kernel import fingerprint_sums
+        kernel = _triton_kernel.fingerprint_sums
     except Exception as exc:  # no Triton (a CPU build of torch): torch's reductions
         _FAILED.append(f"{type(exc).__name__}: {exc}")
         return False
-    _KERNEL.append((triton, fingerprint_sums))
+    _KERNEL.append((_triton_kernel.triton, kernel))
     return True
 
 

@@ -49,6 +49,7 @@ from typing import Any
 
 from .._optimizer_view import MainParam, optimizer_view
 from .._own_math import own_tensor_math
+from ..errors import McoreCompatError
 from . import elements, fused
 from .configured import Configured, from_optimizer
 from .fingerprint import Fingerprint, changed, fingerprints
@@ -666,7 +667,8 @@ class StepVerifier:
     def after_step(self, update_successful: bool, grad_norm: float | None) -> None:
         """After ``optimizer_step``: the rule, the model params, the first step's changes."""
         if self.stream and not self._stepping:
-            raise RuntimeError("StepVerifier(stream=True): run the optimizer step within `with verifier.stepping():`")
+            raise McoreCompatError("StepVerifier(stream=True): run the optimizer step within "
+                                   "`with verifier.stepping():`")
         self._stepping = False
         self._check_norm(grad_norm)
         self._check_update(update_successful, grad_norm)
