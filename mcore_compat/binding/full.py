@@ -43,6 +43,7 @@ import torch
 
 from .._own_math import own_tensor_math
 from .errors import BindingError
+from .gather import collective_device
 from .manifest import Manifest, ManifestEntry
 from .param_binding import ParamBinding
 from .placement import place_shard
@@ -524,12 +525,7 @@ def _gather(binding: ParamBinding, bucket_bytes: int, dst: int | None, group: An
     if dst is not None and not 0 <= dst < size:
         raise BindingError(f"dst={dst} is not a rank of the group (size {size})")
     buckets = _planned(binding, group, bucket_bytes)
-    if own:
-        device = own[0].device
-    elif dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    device = collective_device(group, own)
     ranks = dist.get_process_group_ranks(group)
     receive = dst is None or dst == me
     for b in buckets:

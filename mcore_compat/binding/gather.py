@@ -82,12 +82,7 @@ def gather_pipeline_flat(binding: ParamBinding, *, dst: int | None = None, group
     if dst is not None and not 0 <= dst < len(ranks):
         raise BindingError(f"dst={dst} is not a rank of the pipeline group (size {len(ranks)})")
     manifests = binding._manifests_over(group)
-    if own_flats:
-        device = own_flats[0].device
-    elif dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    device = collective_device(group, own_flats)
     receive = dst is None or dst == me
     out: list[StageBuffers] = []
     for stage, (src, manifest) in enumerate(zip(ranks, manifests, strict=True)):
@@ -138,3 +133,15 @@ def gather_pipeline(binding: ParamBinding, *, dst: int | None = None, group: Any
         prefix = f"stage{stage.stage}."
         out.update({prefix + name: t for name, t in stage.views().items()})
     return out
+
+
+def collective_device(group: Any, own: list[Any]) -> Any:
+    """Where the receive buffers of a collective over ``group`` live: this rank's flat buffers' device, else the
+    current CUDA device under NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    if own:
+        return own[0].device
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
