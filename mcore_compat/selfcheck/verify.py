@@ -27,7 +27,11 @@ Around each step (``zero_grad_buffer``, ``forward_backward``, ``optimizer_step``
   data parallel, tensor-parallel duplicates, the tied embedding/output pair);
 * ``optimizer_covers_params``: every trainable element is updated by exactly one main param of some group.
 
-Memory: the values the update check needs (main params, optimizer state, finalized gradients) are copied after
+Memory: with ``stream=True`` (the self-check and :func:`~mcore_compat.selfcheck.check_training_step`), where the
+inner optimizer updates each element on its own, the update is checked inside the optimizer step part by part
+(:mod:`.in_step`: a part's main params and state copied at a time; the factor the optimizer's gradients carry,
+fitted and compared with the reported norm's; fingerprints proving nothing changed a part after its check).
+Otherwise the values the update check needs (main params, optimizer state, finalized gradients) are copied after
 the reference has run and freed its gradients (fingerprints prove the forward/backward left the main params and
 state alone, and the reference run left the gradients alone), so the copy and the reference never coexist (a
 one-step check, ``after_backward(..., last=True)``, also frees the reference copy before the snapshot); the
