@@ -525,9 +525,6 @@ class StepVerifier:
                                           f"changed during forward_backward")
         self.snapshot_bytes = 0
         self.snapshot_host_bytes = 0
-        grad_then: list[Fingerprint] = []
-        grad_now: list[Any] = []
-        grad_names: list[str] = []
         host = self._host.copies if self._host is not None else {}
         for mp in self.view:
             pre = self._pre[id(mp)]
@@ -538,20 +535,23 @@ class StepVerifier:
             pre.state0 = _clone_state(_state_of(mp), mine)
             g = mp.finalized_grad()
             pre.grad = None if g is None else g.detach().clone()
-            if id(mp) in grad_prints:
-                grad_then.append(grad_prints[id(mp)])
-                grad_now.append(pre.grad)
-                grad_names.append(mp.name)
             for v in (pre.p0, pre.grad, *pre.state0.values()):
                 if _is_tensor(v) and v.device != self.device:
                     self.snapshot_host_bytes += _nbytes(v)
                 else:
                     self.snapshot_bytes += _nbytes(v)
-        grad_pairs = list(zip(grad_then, fingerprints(grad_now), strict=True))
-        for name, moved in zip(grad_names, changed(grad_pairs), strict=True):
+        self._grads_unchanged(list(self.view), grad_prints, "while the reference ran")
+
+    def _grads_unchanged(self, mps: list[MainParam], grad_prints: dict[int, Fingerprint], when: str) -> None:
+        """The kept finalized gradients (``_pre[...].grad``) of those of ``mps`` fingerprinted in
+        ``grad_prints`` still have those fingerprints; a ``grads_match_reference`` failure for each that changed
+        (``when``: since when, in words)."""
+        kept = [mp for mp in mps if id(mp) in grad_prints]
+        pairs = list(zip([grad_prints[id(mp)] for mp in kept], fingerprints([self._pre[id(mp)].grad for mp in kept]),
+                         strict=True))
+        for mp, moved in zip(kept, changed(pairs), strict=True):
             if moved:
-                self.tally["grads"].fail(f"step {self.step_index}: {name}: the finalized gradient changed while the "
-                                         f"reference ran")
+                self.tally["grads"].fail(f"step {self.step_index}: {mp.name}: the finalized gradient changed {when}")
 
     @own_tensor_math
     def _snapshot_grads(self, grad_prints: dict[int, Fingerprint]) -> None:
@@ -563,9 +563,6 @@ class StepVerifier:
         self._copied_grads = set()
         self.snapshot_bytes = 0
         self.snapshot_host_bytes = 0
-        then: list[Fingerprint] = []
-        now: list[Any] = []
-        names: list[str] = []
         for mp in self.view:
             pre = self._pre[id(mp)]
             g = mp.finalized_grad()
@@ -574,14 +571,8 @@ class StepVerifier:
                 pre.grad = pre.grad.clone()
                 self._copied_grads.add(id(mp))
                 self.snapshot_bytes += _nbytes(pre.grad)
-                if id(mp) in grad_prints:
-                    then.append(grad_prints[id(mp)])
-                    now.append(pre.grad)
-                    names.append(mp.name)
-        for name, moved in zip(names, changed(list(zip(then, fingerprints(now), strict=True))), strict=True):
-            if moved:
-                self.tally["grads"].fail(f"step {self.step_index}: {name}: the finalized gradient changed while the "
-                                         f"reference ran")
+        self._grads_unchanged([mp for mp in self.view if id(mp) in self._copied_grads], grad_prints,
+                              "while the reference ran")
 
     @contextmanager
     def stepping(self) -> Iterator[None]:
@@ -605,13 +596,8 @@ class StepVerifier:
             if moved:
                 t.fail(f"step {self.step_index}: {mp.name}: main param or optimizer state changed between the forward "
                        f"and the optimizer's update")
-        kept = [mp for mp in mps if id(mp) not in self._copied_grads and id(mp) in self._grad_prints]
-        pairs = list(zip([self._grad_prints[id(mp)] for mp in kept],
-                         fingerprints([self._pre[id(mp)].grad for mp in kept]), strict=True))
-        for mp, moved in zip(kept, changed(pairs), strict=True):
-            if moved:
-                self.tally["grads"].fail(f"step {self.step_index}: {mp.name}: the finalized gradient changed after "
-                                         f"it was compared, before the optimizer read it")
+        self._grads_unchanged([mp for mp in mps if id(mp) not in self._copied_grads], self._grad_prints,
+                              "after it was compared, before the optimizer read it")
         self._scale_check(inner, mps)
 
     @own_tensor_math
