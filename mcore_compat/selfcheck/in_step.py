@@ -64,8 +64,10 @@ def not_streamable(inner: Any, optimizer: Any) -> str | None:
     return None
 
 
-def partition(params: list[Any], parts: int = PARTS) -> list[list[Any]]:
-    """``params`` in order, cut into about ``parts`` runs of similar element counts (a param is never split)."""
+def partition(params: list[Any], parts: int | None = None) -> list[list[Any]]:
+    """``params`` in order, cut into about ``parts`` (default :data:`PARTS`, read at the call) runs of similar
+    element counts (a param is never split)."""
+    parts = PARTS if parts is None else parts
     total = sum(p.numel() for p in params)
     size = max(1, -(-total // max(parts, 1)))
     out: list[list[Any]] = [[]]
