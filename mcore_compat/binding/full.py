@@ -31,16 +31,15 @@ ranks; one name on two pipeline stages; a missing shard) are refused before anyt
 from __future__ import annotations
 
 import bisect
-import gc
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Final
 
 import torch
 
+from .._gc import gc_paused
 from .._own_math import own_tensor_math
 from .errors import BindingError
 from .gather import collective_device
@@ -431,31 +430,12 @@ def _start(b: _Bucket, own: list[torch.Tensor], staging: torch.Tensor | None, ou
     return works
 
 
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while the block runs (back on after it if it was on).
-
-    Making thousands of tensors and tuples that all stay alive triggers a young-generation collection every 700
-    of them (each tensor is a tracked container), which walks the ones made so far and promotes them, and every
-    tenth of those a middle-generation one (about 4 ms each in the benchmark's ranks, ~430k live objects, for
-    2,000 small tensors on CPU). Paused, the new objects are walked once, by the first collection after the
-    block. The block makes no reference cycles, so the collector misses nothing it would have freed.
-    """
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 @own_tensor_math
 def _views(b: _Bucket, out: torch.Tensor) -> list[torch.Tensor]:
     """The views of bucket ``b``'s output tensor ``out``, one per full tensor, in output order (names:
-    ``b.names``), one ``unbind`` per run of equal shapes (with the garbage collector paused: :func:`_gc_paused`)."""
-    with _gc_paused():
+    ``b.names``), one ``unbind`` per run of equal shapes (with the garbage collector paused:
+    :func:`~mcore_compat._gc.gc_paused`)."""
+    with gc_paused():
         views: list[torch.Tensor] = []
         for offset, count, shape in b.groups:
             if count == 1:
@@ -615,7 +595,7 @@ def gather_full(binding: ParamBinding, *, dst: int | None = None, group: Any = N
         ``{name: full tensor}`` on receiving ranks, ``{}`` on the others (views of one tensor per bucket).
     """
     full: dict[str, torch.Tensor] = {}
-    with _gc_paused():  # the dict too (see _gc_paused)
+    with gc_paused():  # the dict too (see gc_paused)
         for names, tensors in _gather(binding, bucket_bytes, dst, group, reuse_buffers, reuse_output):
             full.update(zip(names, tensors, strict=True))
     return full

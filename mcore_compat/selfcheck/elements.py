@@ -101,7 +101,8 @@ def device_scalars(values: dict[str, Any], device: Any) -> dict[str, Any]:
     keys = [k for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     if not keys:
         return dict(values)
-    packed = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64).to(device)
+    # non-blocking: a blocking copy from host memory waits for the device's queue to drain (a host sync per call)
+    packed = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64).to(device, non_blocking=True)
     out = dict(values)
     out.update({k: packed[i] for i, k in enumerate(keys)})
     return out

@@ -116,9 +116,10 @@ def fingerprints(items: list[Any]) -> list[Fingerprint]:
         flats = [items[i].detach().reshape(-1).view(int_dtype) for i in idx]
         lengths = torch.tensor([f.numel() for f in flats], dtype=torch.int64)
         v = torch.cat(flats).to(torch.int64)
-        seg = torch.repeat_interleave(torch.arange(len(idx), device=device), lengths.to(device),
-                                      output_size=v.numel())  # the size given: no host sync
-        starts = (torch.cumsum(lengths, 0) - lengths).to(device)
+        # the size given and the host-to-device copies non-blocking: no host sync
+        seg = torch.repeat_interleave(torch.arange(len(idx), device=device), lengths.to(device, non_blocking=True),
+                                      output_size=v.numel())
+        starts = (torch.cumsum(lengths, 0) - lengths).to(device, non_blocking=True)
         w = torch.arange(1, v.numel() + 1, dtype=torch.int64, device=device) - starts[seg]
         sums = torch.zeros(len(idx), 2, dtype=torch.int64, device=device)
         sums[:, 0].index_add_(0, seg, v)

@@ -44,6 +44,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .._gc import gc_paused
 from ..errors import InvalidArgumentError
 from .report import Check, Report, merge_rank_checks
 
@@ -128,21 +129,22 @@ def check_training_step(
     config = symbols.resolve("get_model_config")(chunks[0])
     batches = _materialize(data_iterator, len(chunks), num_microbatches)
     as_list = isinstance(data_iterator, list)
-    verifier = StepVerifier(chunks, optimizer, reference=reference, continuity=False, one_step=True, stream=True,
-                            per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)))
-    verifier.before_step()
-    training.zero_grad_buffer(chunks, optimizer)
-    model = chunks if len(chunks) > 1 else chunks[0]
-    stored = training.forward_backward(verifier.recording(forward_step_func), _iterators(batches, as_list), model,
-                                       num_microbatches,
-                                       seq_length=seq_length, micro_batch_size=micro_batch_size,
-                                       check_hooks=False, **schedule_kwargs)
-    verifier.after_backward(forward_step_func, batches, num_microbatches, stored, last=True)
-    with verifier.stepping():
-        ok, norm, _ = training.optimizer_step(optimizer)
-    verifier.after_step(ok, norm)
-    training.finish_param_sync(chunks, optimizer)  # the overlapped all-gather of the updated params, if any
-    verifier.final_replicas()
+    with gc_paused():  # the checks make thousands of short-lived tensors and dicts (see gc_paused)
+        verifier = StepVerifier(chunks, optimizer, reference=reference, continuity=False, one_step=True,
+                                stream=True, per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)))
+        verifier.before_step()
+        training.zero_grad_buffer(chunks, optimizer)
+        model = chunks if len(chunks) > 1 else chunks[0]
+        stored = training.forward_backward(verifier.recording(forward_step_func), _iterators(batches, as_list),
+                                           model, num_microbatches,
+                                           seq_length=seq_length, micro_batch_size=micro_batch_size,
+                                           check_hooks=False, **schedule_kwargs)
+        verifier.after_backward(forward_step_func, batches, num_microbatches, stored, last=True)
+        with verifier.stepping():
+            ok, norm, _ = training.optimizer_step(optimizer)
+        verifier.after_step(ok, norm)
+        training.finish_param_sync(chunks, optimizer)  # the overlapped all-gather of the updated params, if any
+        verifier.final_replicas()
     checks.extend(verifier.checks())
     checks.append(Check.not_applicable(
         "independent_reference_matches", "the caller's own model: there is no independent model of its layers; "

@@ -237,7 +237,6 @@ class PlainReference:
 
     def _run(self, forward_step_func: Callable[..., Any], batches: Sequence[Sequence[Any] | None],
              num_microbatches: int, loss_scale: float, rng: RngReplay | None) -> GradReference:
-        import torch
 
         self.sync()
         g = self.groups
@@ -247,6 +246,37 @@ class PlainReference:
         per_token: list[Any] = []
         iters = [None if b is None else iter(b) for b in batches]
         stages = g.pp * len(self.copies)
+        sums = [_FlatSums(pairs, self.grad_dtype) for pairs in self.pairs] if _flat_sums_supported() else None
+        try:
+            self._microbatches(forward_step_func, iters, num_microbatches, loss_scale, rng, stages, acc, mag, out,
+                               per_token, sums)
+        finally:
+            if sums is not None:
+                for s in sums:
+                    s.close(acc, mag)
+        g.set_virtual_rank(None)
+        for p in mag:  # the reductions in fp32, once the backward's activations are gone
+            mag[p] = mag[p].float()
+        terms = {p: num_microbatches for p in acc}
+        self._reduce(acc, mag, terms, per_token)
+        for p, value in acc.items():  # the bound in place of the magnitudes: no third tensor per param
+            u = _unit_roundoff(value.dtype)
+            k = terms[p]
+            bound = mag.pop(p).mul_(2.0 * (k - 1) * u)
+            bound.add_(value.float().abs().mul_(2.0 * u))
+            out.bounds[p] = bound
+        out.grads, out.terms = acc, terms
+        return out
+
+    def _microbatches(self, forward_step_func: Callable[..., Any], iters: list[Any], num_microbatches: int,
+                      loss_scale: float, rng: RngReplay | None, stages: int, acc: dict[Any, Any],
+                      mag: dict[Any, Any], out: GradReference, per_token: list[Any],
+                      sums: list[_FlatSums] | None) -> None:
+        """Every micro-batch's forward and backward through the copies; the gradients summed into ``acc`` (in
+        Megatron's gradient dtype) and their magnitudes into ``mag`` (per copy param, or in ``sums``)."""
+        import torch
+
+        g = self.groups
         for mb in range(num_microbatches):
             saved: dict[int, tuple[Any, Any]] = {}
             for stage in range(stages):
@@ -290,6 +320,9 @@ class PlainReference:
                     torch.autograd.backward(y, g.recv_stage(stage + 1, backward=True))
                 if stage > 0:
                     g.send_stage(x.grad, stage - 1, backward=True)
+                if sums is not None:
+                    sums[chunk].add_microbatch()
+                    continue
                 for orig, dup in self.pairs[chunk]:
                     if dup.grad is None:
                         continue
@@ -305,19 +338,6 @@ class PlainReference:
                     else:
                         mag[orig].add_(dup.grad.float().abs())
                     dup.grad = None
-        g.set_virtual_rank(None)
-        for p in mag:  # the reductions in fp32, once the backward's activations are gone
-            mag[p] = mag[p].float()
-        terms = {p: num_microbatches for p in acc}
-        self._reduce(acc, mag, terms, per_token)
-        for p, value in acc.items():  # the bound in place of the magnitudes: no third tensor per param
-            u = _unit_roundoff(value.dtype)
-            k = terms[p]
-            bound = mag.pop(p).mul_(2.0 * (k - 1) * u)
-            bound.add_(value.float().abs().mul_(2.0 * u))
-            out.bounds[p] = bound
-        out.grads, out.terms = acc, terms
-        return out
 
     # -------------------------------------------------------------------------------------------- reductions
     @own_tensor_math
@@ -422,3 +442,83 @@ def dtype_of(code: int) -> Any:
 def ceil_log2(n: int) -> int:
     """``ceil(log2(n))`` for ``n >= 1``."""
     return max(0, math.ceil(math.log2(max(n, 1))))
+
+
+#: elements per block of :meth:`_FlatSums.add_microbatch` (its float temporaries: 8 bytes each)
+_SUM_BLOCK = 1 << 25
+
+
+def _flat_sums_supported() -> bool:
+    """Whether :class:`_FlatSums` can tell which params got a gradient (torch >= 2.1's post-accumulate hook)."""
+    import torch
+
+    return hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+
+
+class _FlatSums:
+    """The reference's sums over micro-batches in a handful of kernels, not a handful per param.
+
+    Each copy param's ``.grad`` is set, before the first backward, to a zeroed view of one flat buffer per
+    (dtype, gradient dtype, device); autograd then adds each micro-batch's gradient into it in place (exactly:
+    ``0 + g == g``). After the micro-batch's backward, one flat sum per buffer adds the gradients into the
+    accumulator (Megatron's gradient dtype) and their magnitudes into the magnitude buffer (bf16 rounded up on
+    an accelerator, as per param), and the buffer is zeroed again. A param that got no gradient in any
+    micro-batch (a post-accumulate hook tells) is left out of ``acc``, as per param; in a micro-batch where only
+    some params got one, the others' magnitudes are rounded up once more (a bound larger by at most ``2^-7``)."""
+
+    def __init__(self, pairs: list[tuple[Any, Any]], grad_dtype: Callable[[Any], Any]) -> None:
+        import torch
+
+        self.touched: set[int] = set()
+        self.handles: list[Any] = []
+        self.buffers: list[tuple[Any, Any, Any, bool, list[tuple[Any, Any, int, int]]]] = []
+        by: dict[tuple[Any, Any, Any], list[tuple[Any, Any]]] = {}
+        for orig, dup in pairs:
+            by.setdefault((dup.dtype, grad_dtype(orig), dup.device), []).append((orig, dup))
+        for (dtype, acc_dtype, device), members in by.items():
+            n = sum(dup.numel() for _orig, dup in members)
+            low = device.type != "cpu"  # the magnitudes in bf16 rounded up on an accelerator (memory)
+            grads = torch.zeros(n, dtype=dtype, device=device)
+            acc = torch.zeros(n, dtype=acc_dtype, device=device)
+            mag = torch.zeros(n, dtype=torch.bfloat16 if low else torch.float32, device=device)
+            spans = []
+            off = 0
+            for orig, dup in members:
+                k = dup.numel()
+                dup.grad = grads[off:off + k].view_as(dup)
+                self.handles.append(dup.register_post_accumulate_grad_hook(self._mark))
+                spans.append((orig, dup, off, off + k))
+                off += k
+            self.buffers.append((grads, acc, mag, low, spans))
+
+    def _mark(self, param: Any) -> None:
+        self.touched.add(id(param))
+
+    def add_microbatch(self) -> None:
+        """Add the gradients of the micro-batch just back-propagated into the sums; zero the gradient buffers. In
+        blocks of :data:`_SUM_BLOCK` elements: the float temporaries stay that small."""
+        for grads, acc, mag, low, _spans in self.buffers:
+            for lo in range(0, grads.numel(), _SUM_BLOCK):
+                g = grads[lo:lo + _SUM_BLOCK]
+                acc[lo:lo + _SUM_BLOCK].add_(g)
+                m = mag[lo:lo + _SUM_BLOCK]
+                # abs_ may act on the buffer itself (fp32: .float() is no copy): added above, zeroed below
+                if low:
+                    m.copy_(_bf16_up(m.float().add_(g.float().abs_())))
+                else:
+                    m.add_(g.float().abs_())
+            grads.zero_()
+
+    def close(self, acc: dict[Any, Any], mag: dict[Any, Any]) -> None:
+        """The sums of the params that got a gradient into ``acc`` and ``mag`` (views of the flat sums, by the
+        original param); the copies' ``.grad`` and the hooks removed."""
+        for handle in self.handles:
+            handle.remove()
+        for _grads, flat_acc, flat_mag, _low, spans in self.buffers:
+            for orig, dup, lo, hi in spans:
+                dup.grad = None
+                if id(dup) in self.touched:
+                    acc[orig] = flat_acc[lo:hi].view(dup.shape)
+                    mag[orig] = flat_mag[lo:hi].view(dup.shape)
+        self.buffers = []
+        self.handles = []

@@ -922,15 +922,21 @@ class StepVerifier:
         moment_parts: dict[str, list[Any]] = {}
         size = fused.block_elements(self.device)
         for members in packs.values():
+            first = entries[members[0]]
+            # the numbers as device scalars, once per pack (its blocks share them): the compiled block is then not
+            # specialized to lr, scale or step
+            scalars = elements.device_scalars({**{f"h.{k}": v for k, v in first[3].items()}, "scale": scale,
+                                               "step": _plain(first[1].state0.get("step"))}, first[0].main.device)
             for block in _pack(entries, members, size):
-                self._update_block(t, entries, block, scale, ids, worst_parts, over_parts, moment_parts)
+                self._update_block(t, entries, block, scalars, ids, worst_parts, over_parts, moment_parts)
         if not ids:
             return
         n = len(entries)
         worst_e, over_e = _per_entry(ids, worst_parts, over_parts, n)
         dev = worst_e.device
         moment_e = {k: torch.zeros(n, dtype=torch.float64, device=dev).index_add_(
-            0, torch.cat([i for i, _ in v]).to(dev), torch.cat([o for _, o in v])) for k, v in moment_parts.items()}
+            0, torch.cat([i for i, _ in v]).to(dev, non_blocking=True), torch.cat([o for _, o in v]))
+            for k, v in moment_parts.items()}
         values = torch.stack([worst_e, over_e, *moment_e.values()]).cpu()  # one host sync
         keys = list(moment_e)
         for i, (mp, pre, rule, hyper, now, missing, _moments, step) in enumerate(entries):
@@ -953,11 +959,13 @@ class StepVerifier:
                        f"expected {expected}")
 
     def _update_block(self, t: _Tally, entries: list[tuple[Any, ...]], block: list[tuple[int, int, int]],
-                      scale: Any, ids: list[Any], worst_parts: list[Any], over_parts: list[Any],
+                      scalars: dict[str, Any], ids: list[Any], worst_parts: list[Any], over_parts: list[Any],
                       moment_parts: dict[str, list[Any]]) -> None:
         """The rule on one block (pieces ``(entry, lo, hi)`` of main params that share rule and hyper-parameters,
         :func:`.elements.update_block`): appends, per piece, its worst ``err/bound`` and elements over the bound
-        (params and moments) to the lists (device tensors, read together by :meth:`_check_update`)."""
+        (params and moments) to the lists (device tensors, read together by :meth:`_check_update`). ``scalars``:
+        the pack's hyper-parameters (``h.<name>``), ``scale`` and ``step`` as device scalars
+        (:func:`.elements.device_scalars`)."""
         import torch
 
         def cat(parts: list[Any]) -> Any:
@@ -977,10 +985,6 @@ class StepVerifier:
             seg = _segments([hi - lo for _e, lo, hi in block], p0.device)
         ids.append(torch.tensor([e for e, _lo, _hi in block], dtype=torch.int64))
         stride = res_stride(p0.numel())
-        # the numbers as device scalars: the compiled block is then not specialized to lr, scale or step
-        scalars = elements.device_scalars({**{f"h.{k}": v for k, v in hyper.items()},
-                                           "scale": scale, "step": state0.get("step")},
-                                          p0.device)
         present = branches(rule, hyper)
         hyper = {k: scalars[f"h.{k}"] for k in hyper}
         if "step" in state0:
@@ -1171,7 +1175,7 @@ def _per_entry(ids: list[Any], worst_parts: list[Any], over_parts: list[Any], n:
     import torch
 
     dev = worst_parts[0].device
-    index = torch.cat(ids).to(dev)
+    index = torch.cat(ids).to(dev, non_blocking=True)
     worst = torch.zeros(n, dtype=torch.float64, device=dev).scatter_reduce_(0, index, torch.cat(worst_parts), "amax")
     over = torch.zeros(n, dtype=torch.float64, device=dev).index_add_(0, index, torch.cat(over_parts))
     return worst, over
