@@ -54,9 +54,17 @@ def _report(results: dict[str, Any]) -> None:
 
 
 def test_the_fixtures_are_committed() -> None:
-    """One fixture per source release, each small (the rank files hold 4 RNG states of 5 KB each)."""
+    """One fixture per release of scripts/checkpoint_matrix.py (which writes them), each small (the rank files
+    hold 4 RNG states of 5 KB each)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("checkpoint_matrix", X.FIXTURES.parents[2] / "scripts" /
+                                                  "checkpoint_matrix.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
     found = sorted((p.name for p in X.FIXTURES.iterdir() if p.is_dir()), key=Version)
-    assert found == SOURCES
+    assert found == SOURCES == script.RELEASES and script.FIXTURES == X.FIXTURES
     for src in SOURCES:
         size = sum(f.stat().st_size for f in (X.FIXTURES / src).rglob("*") if f.is_file())
         assert size < 120_000, (src, size)
@@ -99,3 +107,39 @@ def test_inspect_fixture(src: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert info["model"][0]["embedding.word_embeddings.weight"] == {"shape": [16, 8], "dtype": "bfloat16"}
     assert {tuple(r["state"]) for r in info["optimizer"]} == {("exp_avg", "exp_avg_sq", "step")}
     assert set(info["loadable"]) == {"weights", "optimizer"}
+
+
+def test_fixture_diff_names_what_changed(tmp_path: Any) -> None:
+    """What ``--check`` and the writing release's session compare: equal to itself (the writers' mcore_compat and
+    torch versions and the shard sizes aside); a changed value of a shard or of the reference, a manifest field,
+    a missing file are named."""
+    import shutil
+
+    import torch
+
+    src = X.FIXTURES / SOURCES[0]
+    assert X.fixture_diff(src, src) == []
+    copy = tmp_path / "copy"
+    shutil.copytree(src, copy)
+    manifest = copy / "checkpoint" / "mcore_compat_checkpoint.json"
+    data = json.loads(manifest.read_text())
+    data.update(mcore_compat="9.9.9", torch="0.0.1")
+    data["files"][0]["bytes"] += 1
+    manifest.write_text(json.dumps(data))
+    assert X.fixture_diff(src, copy) == []
+    data["iteration"] = 3
+    manifest.write_text(json.dumps(data))
+    shard = torch.load(copy / "checkpoint" / "rank_00001.pt", weights_only=True)
+    shard["optimizer"]["params"][0]["state"]["exp_avg"][0] += 1
+    torch.save(shard, copy / "checkpoint" / "rank_00001.pt")
+    ref = torch.load(copy / "reference.pt", weights_only=True)
+    ref["flat"][-1] += 1
+    torch.save(ref, copy / "reference.pt")
+    (copy / "checkpoint" / "mcore_compat_tensor_parallel.json").unlink()
+    (copy / "checkpoint" / "mcore_compat_tensor_parallel.json").write_text("{}")
+    diff = X.fixture_diff(src, copy)
+    assert "manifest.iteration" in diff and "reference.pt.flat" in diff, diff
+    assert "checkpoint/rank_00001.pt.optimizer.params[0].state.exp_avg" in diff, diff
+    assert any(d.startswith("tp_record.") for d in diff), diff
+    (copy / "reference.pt").unlink()
+    assert X.fixture_diff(src, copy)[0].startswith("files ")
