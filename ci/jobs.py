@@ -52,7 +52,9 @@ def run_pytest(env: MatrixEnv, python: str, release: Release | None, marker: str
     """Run pytest on :data:`TEST_PATHS` with ``-m marker``; its counts, faults score and verdict go to ``result``.
 
     The JUnit file, the fault-injection scores (``MCORE_COMPAT_FAULT_REPORT``: faults where mcore_compat acts;
-    ``MCORE_COMPAT_MEGATRON_FAULT_REPORT``: faults inside Megatron-Core) and where the session's time went
+    ``MCORE_COMPAT_MEGATRON_FAULT_REPORT``: faults inside Megatron-Core), the committed checkpoints of other
+    releases loaded on this one (``MCORE_COMPAT_CHECKPOINT_REPORT``: tests/test_checkpoint_cross.py) and where the
+    session's time went
     (``MCORE_COMPAT_TIMING_REPORT``, into ``result.timing["inside_pytest"]``) go to ``.cache/logs/<result.name>.*``. Exit status 5 (no test collected) fails the job.
 
     Args:
@@ -72,6 +74,8 @@ def run_pytest(env: MatrixEnv, python: str, release: Release | None, marker: str
     faults.unlink(missing_ok=True)
     megatron_faults = logs / f"{result.name}.megatron-faults.json"
     megatron_faults.unlink(missing_ok=True)
+    checkpoints = logs / f"{result.name}.checkpoints.json"
+    checkpoints.unlink(missing_ok=True)
     timing = logs / f"{result.name}.timing.json"
     timing.unlink(missing_ok=True)
     argv: list[str | Path] = [env.layout.base_python(python), "-P", "-m", "pytest", *TEST_PATHS, "-m", marker, "-p",
@@ -79,6 +83,7 @@ def run_pytest(env: MatrixEnv, python: str, release: Release | None, marker: str
     run_env = env.session_env(python, release)
     run_env["MCORE_COMPAT_FAULT_REPORT"] = str(faults)  # the fault-injection suite writes its score there
     run_env["MCORE_COMPAT_MEGATRON_FAULT_REPORT"] = str(megatron_faults)  # tests/test_megatron_faults.py's score
+    run_env["MCORE_COMPAT_CHECKPOINT_REPORT"] = str(checkpoints)  # tests/test_checkpoint_cross.py's loads
     run_env["MCORE_COMPAT_TIMING_REPORT"] = str(timing)  # tests/conftest.py: where the session's time went
     if release is not None:  # tests/test_selfcheck_real.py: the CLI sweep's configurations, run in the warm ranks
         selfcheck = logs / f"{release.session}.selfcheck.json"
@@ -98,6 +103,8 @@ def run_pytest(env: MatrixEnv, python: str, release: Release | None, marker: str
         score = json.loads(megatron_faults.read_text(encoding="utf-8"))
         result.megatron_faults = {k: score[k] for k in ("caught", "acting", "not_acting", "faults", "clean_pass",
                                                         "clean")}
+    if checkpoints.is_file():
+        result.checkpoints = json.loads(checkpoints.read_text(encoding="utf-8"))["loads"]
     if code == PYTEST_NO_TESTS:  # a session that tested nothing proves nothing: a wrong path, marker or -k
         out.say(f"ERROR: pytest collected no test (exit status {code}); a session must run tests")
         result.details = result.details or f"pytest collected no test (exit status {code})"

@@ -30,6 +30,8 @@ class JobResult:
         megatron_faults: the score of the faults injected inside Megatron-Core (tests/test_megatron_faults.py:
             ``caught``/``acting``/``not_acting``/``faults``/``clean_pass``/``clean``; a fault whose target does
             not exist or run on the release is not acting, never caught).
+        checkpoints: the committed checkpoints of other releases loaded on this one (tests/test_checkpoint_cross.py):
+            ``{"<saving release>": {"full": "exact" | "refused: ..." | ..., "weights": ...}}``.
         timing: seconds per phase (``prepare``, ``startup``, ``pytest``, ``selfcheck``) and what the suite
             measured inside pytest (``inside_pytest``: see tests/conftest.py); :func:`timing_line` renders it.
     """
@@ -48,6 +50,7 @@ class JobResult:
     selfcheck: dict[str, Any] = field(default_factory=dict)
     faults: dict[str, Any] = field(default_factory=dict)
     megatron_faults: dict[str, Any] = field(default_factory=dict)
+    checkpoints: dict[str, Any] = field(default_factory=dict)
     timing: dict[str, Any] = field(default_factory=dict)
 
 
@@ -123,6 +126,7 @@ def cpu_record(install: str, result: JobResult) -> dict[str, Any]:
         "self_check": result.selfcheck or None,
         "fault_detection": result.faults or None,
         "megatron_fault_detection": result.megatron_faults or None,
+        "checkpoint_cross": result.checkpoints or None,
         "timing": timing_record(result) or None,
     }
 

@@ -460,3 +460,33 @@ def test_docs_session_builds_the_site_strictly_with_pinned_tools(monkeypatch: py
     assert sybil and all(set(sybil) <= set(extras[e]) for e in ("test", "dev"))
     config = (ROOT / "mkdocs.yml").read_text()
     assert "strict: true" in config and "docs_dir: docs" in config
+
+
+def test_the_checkpoint_loads_are_recorded_and_shown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/test_checkpoint_cross.py writes the loads of the committed checkpoints to
+    MCORE_COMPAT_CHECKPOINT_REPORT; the CPU record keeps them and the support table's 'loads checkpoints of' shows
+    the saving releases' span, naming those that did not load exactly; records without them show "—"."""
+    from mcore_compat.support.render import _checkpoints_cell
+
+    fake, _ = _fake_nox()
+    nf = _load_noxfile_with(fake, monkeypatch)
+    env = nf.matrix_env.MatrixEnv(nf.matrix_env.Layout(tmp_path), nf.ENV.matrix)
+    loads = {v: {"full": "exact", "weights": "exact"} for v in ("0.12.3", "0.4.0", "0.19.2")}
+
+    def fake_pytest(self: Any, argv: list[str], env: dict[str, str] | None = None, check: bool = True,
+                    cwd: Any = None) -> int:
+        assert env is not None
+        Path(env["MCORE_COMPAT_CHECKPOINT_REPORT"]).write_text(json.dumps({"release": "0.10.0", "loads": loads}))
+        return 0
+
+    monkeypatch.setattr(nf.Out, "run", fake_pytest)
+    result, out = nf.results.JobResult("mcore-0.10.0"), nf.Out(tmp_path / "s.log")
+    nf.jobs.run_pytest(env, "3.11", None, "mcore", out, result, ())
+    out.close()
+    record = nf.results.cpu_record("wheel", result)
+    assert record["checkpoint_cross"] == loads
+    assert _checkpoints_cell(record) == "0.4.0-0.19.2: exact"
+    refused = {**loads, "0.4.0": {"full": "refused: CheckpointMismatchError: x", "weights": "exact"}}
+    assert _checkpoints_cell({"checkpoint_cross": refused}) == \
+        "0.4.0-0.19.2: 2/3 exact; 0.4.0 weights exact; optimizer refused"
+    assert _checkpoints_cell({"result": "pass"}) == "—" and _checkpoints_cell(None) == "—"

@@ -77,7 +77,10 @@ def _version() -> str:
 
 
 def _distributed_optimizer(chunks: list[Any]) -> bool:
-    return any(getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False) for c in chunks)
+    """Whether DDP was built for the distributed optimizer: ``ddp_config.use_distributed_optimizer`` from 0.7,
+    DDP's own ``use_distributed_optimizer`` attribute on 0.4-0.6 (distributed/distributed_data_parallel.py)."""
+    return any(getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer",
+                       getattr(c, "use_distributed_optimizer", False)) for c in chunks)
 
 
 def _tensor_parallel(entries: list[dict[str, Any]]) -> dict[str, dict[str, list[int]]]:

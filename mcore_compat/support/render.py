@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from packaging.version import Version
+
 from .model import Release
 
 __all__ = ["render"]
@@ -35,6 +37,10 @@ injected inside Megatron-Core itself (`tests/test_megatron_faults.py`: a Megatro
 e.g. DDP's gradient reduction, the param all-gather, unscaling, the grad norm, clipping, the optimizer step, the
 tied-embedding and sequence-parallel all-reduces, a layer's forward), caught over those that act on the release
 (a fault whose target does not exist or run there is not acting, never counted as caught).
+**Loads checkpoints of**: `tests/test_checkpoint_cross.py` in the release's session loads the committed
+checkpoints (`tests/data/checkpoints/<A>/`) that `mcore_compat.save_checkpoint` wrote on each release A, with and
+without the optimizer; "exact": every weight, main param, both Adam moments and the step equal to A's values bit for
+bit, and a step trains after the load (a refusal is named by its error).
 **GPU**: `scripts/gpu_matrix.py` on NVIDIA
 H200 with NCCL: the self-check in bf16 with `--bind` and two offload cycles on 1 GPU (distributed optimizer on
 and off, lr 1e-2 and 1e-6; runs before 2026-12-01-9 had no offload cycle) and, where a 2-GPU machine was
@@ -102,6 +108,25 @@ def _megatron_faults_cell(result: Mapping[str, Any] | None) -> str:
     return text
 
 
+def _checkpoints_cell(result: Mapping[str, Any] | None) -> str:
+    """``0.4.0-0.19.2: exact`` from a CPU result's ``checkpoint_cross`` (tests/test_checkpoint_cross.py: per
+    saving release, the ``full`` and ``weights`` loads); the saving releases that did not load exactly are named
+    with the first word of their outcome. ``—`` when not recorded."""
+    loads = (result or {}).get("checkpoint_cross")
+    if not isinstance(loads, Mapping) or not loads:
+        return "—"
+    sources = sorted(loads, key=Version)
+    span = f"{sources[0]}-{sources[-1]}" if len(sources) > 1 else sources[0]
+    bad = []
+    for src in sources:
+        entry = loads[src] if isinstance(loads[src], Mapping) else {}
+        full, weights = str(entry.get("full", "?")), str(entry.get("weights", "?"))
+        if full != "exact" or weights != "exact":
+            bad.append(f"{src} {_cross_cell(entry)}")
+    return f"{span}: exact" if not bad else _cell(f"{span}: {len(sources) - len(bad)}/{len(sources)} exact; "
+                                                  + "; ".join(bad))
+
+
 def _timing_row(version: str, result: Mapping[str, Any] | None) -> str | None:
     """One row of the time table from a CPU result's ``timing`` (``None`` when not recorded)."""
     timing = (result or {}).get("timing")
@@ -150,7 +175,12 @@ def _checkpoint_section(cross: Mapping[str, Any]) -> list[str]:
     lines = ["", "## Checkpoints across releases", "",
              f"`mcore_compat.save_checkpoint` on the row's release, `load_checkpoint` on the column's "
              f"({cross.get('format', '?')}; {cross.get('what', '')}). Recorded {cross.get('recorded', '?')} by "
-             "`scripts/checkpoint_matrix.py`.", "",
+             "`scripts/checkpoint_matrix.py` (by hand: each release saves its own freshly trained checkpoint).", "",
+             "Checked in CI: every release session loads the committed checkpoints written on these releases "
+             "(`tests/data/checkpoints/`, a smaller model of the same kind, 1 layer of hidden size 8) with "
+             "`tests/test_checkpoint_cross.py`: every pair (saved on one of them, loaded on any release of the "
+             "table above), its result in the column **loads checkpoints of**. The sessions of the releases that "
+             "wrote them also check that they still write the same values.", "",
              "| saved on \\ loaded on | " + " | ".join(loaders) + " |", "|---|" + "---|" * len(loaders)]
     for saver in [r for r in loaders if r in results] + [r for r in results if r not in loaders]:
         lines.append(f"| {saver} | " + " | ".join(_cross_cell(results[saver].get(b, {})) for b in loaders) + " |")
@@ -169,13 +199,14 @@ def render(releases: Iterable[Release], recorded: Mapping[str, Mapping[str, Any]
     """
     releases = list(releases)
     lines = [_HEADER, "| megatron-core | tags | Python | limits | install | CPU | faults caught | "
-                      "Megatron faults caught/acting | GPU | notes |", "|---|---|---|---|---|---|---|---|---|---|"]
+                      "Megatron faults caught/acting | loads checkpoints of | GPU | notes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in releases:
         res = recorded.get(str(r.version), {})
         tags = ", ".join(t for t in r.tags if t in ("min", "latest", "oldest", "newest"))
         lines.append(f"| {r.version} | {tags} | {r.python} | {_limits_cell(r)} | {_install_cell(r)} | "
                      f"{_result_cell(res.get('cpu'))} | {_faults_cell(res.get('cpu'))} | "
-                     f"{_megatron_faults_cell(res.get('cpu'))} | "
+                     f"{_megatron_faults_cell(res.get('cpu'))} | {_checkpoints_cell(res.get('cpu'))} | "
                      f"{_result_cell(res.get('gpu'))} | {_cell(r.notes)} |")
     timing_rows = [row for r in releases
                    if (row := _timing_row(str(r.version), recorded.get(str(r.version), {}).get("cpu")))]
