@@ -246,14 +246,13 @@ class PlainReference:
         per_token: list[Any] = []
         iters = [None if b is None else iter(b) for b in batches]
         stages = g.pp * len(self.copies)
-        sums = [_FlatSums(pairs, self.grad_dtype) for pairs in self.pairs] if _flat_sums_supported() else None
+        sums = [_FlatSums(pairs, self.grad_dtype) for pairs in self.pairs]
         try:
-            self._microbatches(forward_step_func, iters, num_microbatches, loss_scale, rng, stages, acc, mag, out,
-                               per_token, sums)
+            self._microbatches(forward_step_func, iters, num_microbatches, loss_scale, rng, stages, out, per_token,
+                               sums)
         finally:
-            if sums is not None:
-                for s in sums:
-                    s.close(acc, mag)
+            for s in sums:
+                s.close(acc, mag)
         g.set_virtual_rank(None)
         for p in mag:  # the reductions in fp32, once the backward's activations are gone
             mag[p] = mag[p].float()
@@ -269,11 +268,10 @@ class PlainReference:
         return out
 
     def _microbatches(self, forward_step_func: Callable[..., Any], iters: list[Any], num_microbatches: int,
-                      loss_scale: float, rng: RngReplay | None, stages: int, acc: dict[Any, Any],
-                      mag: dict[Any, Any], out: GradReference, per_token: list[Any],
-                      sums: list[_FlatSums] | None) -> None:
-        """Every micro-batch's forward and backward through the copies; the gradients summed into ``acc`` (in
-        Megatron's gradient dtype) and their magnitudes into ``mag`` (per copy param, or in ``sums``)."""
+                      loss_scale: float, rng: RngReplay | None, stages: int, out: GradReference,
+                      per_token: list[Any], sums: list[_FlatSums]) -> None:
+        """Every micro-batch's forward and backward through the copies; the gradients and their magnitudes summed
+        in ``sums`` (:class:`_FlatSums`), the losses into ``out``."""
         import torch
 
         g = self.groups
@@ -320,24 +318,7 @@ class PlainReference:
                     torch.autograd.backward(y, g.recv_stage(stage + 1, backward=True))
                 if stage > 0:
                     g.send_stage(x.grad, stage - 1, backward=True)
-                if sums is not None:
-                    sums[chunk].add_microbatch()
-                    continue
-                for orig, dup in self.pairs[chunk]:
-                    if dup.grad is None:
-                        continue
-                    # on an accelerator the magnitudes wait in bf16 rounded up (memory); on the CPU in fp32 (time)
-                    low = dup.device.type != "cpu"
-                    if orig not in acc:
-                        acc[orig] = torch.zeros(dup.shape, dtype=self.grad_dtype(orig), device=dup.device)
-                        mag[orig] = torch.zeros(dup.shape, dtype=torch.bfloat16 if low else torch.float32,
-                                                device=dup.device)
-                    acc[orig].add_(dup.grad)
-                    if low:
-                        mag[orig] = _bf16_up(mag[orig].float().add_(dup.grad.float().abs()))
-                    else:
-                        mag[orig].add_(dup.grad.float().abs())
-                    dup.grad = None
+                sums[chunk].add_microbatch()
 
     # -------------------------------------------------------------------------------------------- reductions
     @own_tensor_math
@@ -444,81 +425,99 @@ def ceil_log2(n: int) -> int:
     return max(0, math.ceil(math.log2(max(n, 1))))
 
 
-#: elements per block of :meth:`_FlatSums.add_microbatch` (its float temporaries: 8 bytes each)
-_SUM_BLOCK = 1 << 25
+#: elements per block of :class:`_FlatSums` (params packed up to it; a larger param is a block of its own)
+_SUM_BLOCK = 1 << 26
+#: elements per piece of a block's float temporaries (8 bytes each) in :meth:`_FlatSums.add_microbatch`
+_SUM_PIECE = 1 << 25
 
 
-def _flat_sums_supported() -> bool:
-    """Whether :class:`_FlatSums` can tell which params got a gradient (torch >= 2.1's post-accumulate hook)."""
-    import torch
+@dataclass
+class _SumBlock:
+    """Params of one dtype, gradient dtype and device whose sums live in one tensor each (``acc``, ``mag``,
+    made at the first gradient); ``spans``: ``(original, copy, lo, hi)``."""
 
-    return hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+    spans: list[tuple[Any, Any, int, int]]
+    numel: int
+    acc_dtype: Any
+    device: Any
+    acc: Any = None
+    mag: Any = None
 
 
 class _FlatSums:
-    """The reference's sums over micro-batches in a handful of kernels, not a handful per param.
+    """The reference's sums over micro-batches in a few kernels per block of params, not ten per param.
 
-    Each copy param's ``.grad`` is set, before the first backward, to a zeroed view of one flat buffer per
-    (dtype, gradient dtype, device); autograd then adds each micro-batch's gradient into it in place (exactly:
-    ``0 + g == g``). After the micro-batch's backward, one flat sum per buffer adds the gradients into the
-    accumulator (Megatron's gradient dtype) and their magnitudes into the magnitude buffer (bf16 rounded up on
-    an accelerator, as per param), and the buffer is zeroed again. A param that got no gradient in any
-    micro-batch (a post-accumulate hook tells) is left out of ``acc``, as per param; in a micro-batch where only
-    some params got one, the others' magnitudes are rounded up once more (a bound larger by at most ``2^-7``)."""
+    After a micro-batch's backward, each block's copy gradients are concatenated (one kernel; a missing one as
+    zeros), added into the block's accumulator (Megatron's gradient dtype) and their magnitudes into its
+    magnitude sum (bf16 rounded up on an accelerator, fp32 on the CPU: the same element-wise arithmetic as per
+    param), and the copies' gradients are dropped, block by block (memory as per param). A param that got no
+    gradient in any micro-batch is left out of ``acc``, as per param; in a micro-batch where only some params of
+    a block got one, the others' magnitudes are rounded up once more (a bound larger by at most ``2^-7``)."""
 
     def __init__(self, pairs: list[tuple[Any, Any]], grad_dtype: Callable[[Any], Any]) -> None:
-        import torch
-
         self.touched: set[int] = set()
-        self.handles: list[Any] = []
-        self.buffers: list[tuple[Any, Any, Any, bool, list[tuple[Any, Any, int, int]]]] = []
+        self.blocks: list[_SumBlock] = []
         by: dict[tuple[Any, Any, Any], list[tuple[Any, Any]]] = {}
         for orig, dup in pairs:
             by.setdefault((dup.dtype, grad_dtype(orig), dup.device), []).append((orig, dup))
-        for (dtype, acc_dtype, device), members in by.items():
-            n = sum(dup.numel() for _orig, dup in members)
-            low = device.type != "cpu"  # the magnitudes in bf16 rounded up on an accelerator (memory)
-            grads = torch.zeros(n, dtype=dtype, device=device)
-            acc = torch.zeros(n, dtype=acc_dtype, device=device)
-            mag = torch.zeros(n, dtype=torch.bfloat16 if low else torch.float32, device=device)
-            spans = []
-            off = 0
+        for (_dtype, acc_dtype, device), members in by.items():
+            spans: list[tuple[Any, Any, int, int]] = []
+            n = 0
             for orig, dup in members:
                 k = dup.numel()
-                dup.grad = grads[off:off + k].view_as(dup)
-                self.handles.append(dup.register_post_accumulate_grad_hook(self._mark))
-                spans.append((orig, dup, off, off + k))
-                off += k
-            self.buffers.append((grads, acc, mag, low, spans))
-
-    def _mark(self, param: Any) -> None:
-        self.touched.add(id(param))
+                if spans and n + k > _SUM_BLOCK:
+                    self.blocks.append(_SumBlock(spans, n, acc_dtype, device))
+                    spans, n = [], 0
+                spans.append((orig, dup, n, n + k))
+                n += k
+            if spans:
+                self.blocks.append(_SumBlock(spans, n, acc_dtype, device))
 
     def add_microbatch(self) -> None:
-        """Add the gradients of the micro-batch just back-propagated into the sums; zero the gradient buffers. In
-        blocks of :data:`_SUM_BLOCK` elements: the float temporaries stay that small."""
-        for grads, acc, mag, low, _spans in self.buffers:
-            for lo in range(0, grads.numel(), _SUM_BLOCK):
-                g = grads[lo:lo + _SUM_BLOCK]
-                acc[lo:lo + _SUM_BLOCK].add_(g)
-                m = mag[lo:lo + _SUM_BLOCK]
-                # abs_ may act on the buffer itself (fp32: .float() is no copy): added above, zeroed below
+        """Add the copies' gradients of the micro-batch just back-propagated into the sums and drop them."""
+        import torch
+
+        for b in self.blocks:
+            grads = [dup.grad for _orig, dup, _lo, _hi in b.spans]
+            if all(g is None for g in grads):
+                continue
+            for (_orig, dup, _lo, _hi), g in zip(b.spans, grads, strict=True):
+                if g is not None:
+                    self.touched.add(id(dup))
+            flat = grads[0].reshape(-1) if len(grads) == 1 else torch.cat(
+                [(g if g is not None else torch.zeros_like(dup)).reshape(-1)
+                 for (_orig, dup, _lo, _hi), g in zip(b.spans, grads, strict=True)])
+            for _orig, dup, _lo, _hi in b.spans:
+                dup.grad = None
+            del grads
+            low = b.device.type != "cpu"  # the magnitudes in bf16 rounded up on an accelerator (memory)
+            if b.acc is None:
+                b.acc = torch.zeros(b.numel, dtype=b.acc_dtype, device=b.device)
+                b.mag = torch.zeros(b.numel, dtype=torch.bfloat16 if low else torch.float32, device=b.device)
+            for lo in range(0, b.numel, _SUM_PIECE):
+                g = flat[lo:lo + _SUM_PIECE]
+                b.acc[lo:lo + _SUM_PIECE].add_(g)
+                m = b.mag[lo:lo + _SUM_PIECE]
+                # abs_ may act on the gradient itself (fp32: .float() is no copy): added above, dropped after
                 if low:
                     m.copy_(_bf16_up(m.float().add_(g.float().abs_())))
                 else:
                     m.add_(g.float().abs_())
-            grads.zero_()
+            del flat
 
     def close(self, acc: dict[Any, Any], mag: dict[Any, Any]) -> None:
-        """The sums of the params that got a gradient into ``acc`` and ``mag`` (views of the flat sums, by the
-        original param); the copies' ``.grad`` and the hooks removed."""
-        for handle in self.handles:
-            handle.remove()
-        for _grads, flat_acc, flat_mag, _low, spans in self.buffers:
-            for orig, dup, lo, hi in spans:
+        """The sums of the params that got a gradient into ``acc`` and ``mag`` (views of the block sums, by the
+        original param; the magnitudes in fp32, converted block by block); the copies' gradients dropped."""
+        for b in self.blocks:
+            for _orig, dup, _lo, _hi in b.spans:
                 dup.grad = None
+            if b.acc is None:
+                continue
+            mags = b.mag.float()
+            b.mag = None
+            for orig, dup, lo, hi in b.spans:
                 if id(dup) in self.touched:
-                    acc[orig] = flat_acc[lo:hi].view(dup.shape)
-                    mag[orig] = flat_mag[lo:hi].view(dup.shape)
-        self.buffers = []
-        self.handles = []
+                    acc[orig] = b.acc[lo:hi].view(dup.shape)
+                    mag[orig] = mags[lo:hi].view(dup.shape)
+            b.acc = None
+        self.blocks = []
