@@ -112,6 +112,7 @@ def check_training_step(
 
     from .. import symbols, training
     from . import in_step
+    from .groups import gather_objects
     from .verify import StepVerifier
     from .worker import _binding_checks, _buffer_alias_check, _pipeline_gather_check
 
@@ -157,8 +158,7 @@ def check_training_step(
         checks.extend(_binding_checks(binding, chunks))
         if ps.get_pipeline_model_parallel_world_size() > 1:
             checks.append(_pipeline_gather_check(binding, ps))
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, checks)
+    gathered = gather_objects(checks)
     report = Report(settings={"world_size": dist.get_world_size(), "chunks": len(chunks),
                               "num_microbatches": num_microbatches, "bind": binding is not None,
                               "reference": reference, "hooks_installed": hooks_ok,

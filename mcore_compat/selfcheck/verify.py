@@ -57,7 +57,7 @@ from ..errors import McoreCompatError
 from . import elements, fused
 from .configured import Configured, from_optimizer
 from .fingerprint import Fingerprint, changed, fingerprints
-from .groups import Groups
+from .groups import Groups, gather_objects
 from .host_snapshot import HostSnapshot
 from .in_step import InStep, not_streamable
 from .invariants import compare_replicas, global_grad_norm
@@ -344,7 +344,6 @@ class StepVerifier:
     @own_tensor_math
     def _coverage(self) -> list[Check]:
         """``optimizer_covers_params`` and the main params' starting values (equal to the model's)."""
-        import torch.distributed as dist
 
         if self.view.unsupported:
             return [Check.not_applicable("optimizer_covers_params",
@@ -362,9 +361,7 @@ class StepVerifier:
         total = {n: c for n, c in owned.items() if n not in sharded}
         for names, group in ((sharded - expert_names, self.groups.dp), (sharded & expert_names, self.groups.edp)):
             mine = {n: owned[n] for n in names}
-            gathered: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, mine, group=group)
-            for other in gathered:
+            for other in gather_objects(mine, group):
                 for n, c in other.items():
                     total[n] = total.get(n, 0) + c
         wrong = [f"{name} ({total.get(name, 0)} of {p.numel()} elements)" for p, name in self.names.items()
@@ -1034,7 +1031,6 @@ class StepVerifier:
                        f"params cast to {str(mp.model.dtype).replace('torch.', '')}")
 
     def _check_changed(self) -> None:
-        import torch.distributed as dist
 
         t = self.tally["changed"]
         if self.view.unsupported:
@@ -1054,9 +1050,7 @@ class StepVerifier:
             counts[mp.name] = counts.get(mp.name, 0) + int(n)
         merged: dict[str, int] = {}
         for group in {id(self.groups.dp): self.groups.dp, id(self.groups.edp): self.groups.edp}.values():
-            gathered: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, counts, group=group)
-            for other in gathered:
+            for other in gather_objects(counts, group):
                 for n, c in other.items():
                     merged[n] = merged.get(n, 0) + c
         unchanged = [n for n in self.names.values() if merged.get(n, 0) == 0]
