@@ -189,3 +189,82 @@ def test_reshard_tp(results: dict[str, Any], keep: Path) -> None:
     whole = _shard_values(keep / "tp1-tp2", 0)
     assert _differ(joined, whole) == [], _differ(joined, whole)
     assert sum(1 for k in whole if k.startswith("exp_avg_sq:")) >= 8
+
+
+def _restage(values: dict[str, Any], offset: int) -> dict[str, Any]:
+    """A pipeline stage's dumped values under PP=1 names: its local layer ``decoder.layers.<i>`` is global layer
+    ``offset + i`` (the test model has 2 layers on each of the 2 stages)."""
+    import re
+
+    return {re.sub(r"(0\.decoder\.layers\.)(\d+)\.", lambda m: f"{m[1]}{int(m[2]) + offset}.", k): v
+            for k, v in values.items()}
+
+
+_TIED = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _join_stages(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
+    """The PP=1 values of a PP=2 model's two stages: the last stage's layers renumbered; its tied output layer copy
+    (weight, main param, both moments, step) checked equal to the first stage's embedding and left out."""
+    embedding, output = _TIED
+    copies = {k: v for k, v in last.items() if k.endswith(f":0.{output}")}
+    assert len(copies) == 5, sorted(copies)  # the model weight, and the optimizer's main param, moments, step
+    for k, v in copies.items():
+        twin = k.replace(output, embedding)
+        assert _differ({k: first[twin]}, {k: v}) == [], k
+    rest = _restage({k: v for k, v in last.items() if k not in copies}, 2)
+    assert not set(first) & set(rest), sorted(set(first) & set(rest))
+    return {**first, **rest}
+
+
+@pytest.mark.mcore
+def test_reshard_pp(results: dict[str, Any], keep: Path) -> None:
+    """PP=2 -> PP=1 (on the 2 ranks as DP=2, and on one rank) and PP=1 (DP=2) -> PP=2 (2 steps trained, tied
+    embeddings, biases, bf16 with fp32 main params, distributed optimizer): weights, main params, both moments and
+    step after the load equal the saved run's values, the stages joined in the test (stage 1's layers renumbered,
+    its tied output layer equal to the embedding), bit for bit; the layer numbers recorded at save are Megatron's;
+    step 3 from the loaded state computes the saved run's step-3 loss on the same batch; a model with another
+    layer count is refused, unchanged, and so is a checkpoint without the pipeline record."""
+    import json
+
+    import torch
+    from conftest import WARM_CPU
+
+    from mcore_compat.launch import Group
+
+    per_rank = _case(results, "reshard-pp")
+    for r in per_rank:
+        for tag in ("pp2-pp1", "pp1-pp2"):
+            t = r[tag]
+            assert abs(t["loss"] - t["next_loss"]) <= 1e-5 * abs(t["next_loss"]), t
+            assert t["rng_restored"] is False and t["iteration"] == 2, t
+        assert r["layers_refusal"] and r["layers_refusal"].startswith("CheckpointMismatchError") \
+            and "4 transformer layers" in r["layers_refusal"] and "\n" not in r["layers_refusal"], r["layers_refusal"]
+        assert r["layers_unchanged"] == [], r["layers_unchanged"]
+        assert r["record_refusal"] and r["record_refusal"].startswith("CheckpointReshardError") \
+            and "PP 2 -> 1" in r["record_refusal"] and "layer numbers" in r["record_refusal"] \
+            and "\n" not in r["record_refusal"], r["record_refusal"]
+        assert r["record_unchanged"] == [], r["record_unchanged"]
+    record = json.loads((keep / "pp2-pp1" / "mcore_compat_pipeline.json").read_text())
+    assert [sorted(record[f"pp{s}"][0]["layers"].values()) for s in (0, 1)] == [[1, 2], [3, 4]], record
+    assert [record[f"pp{s}"][0]["tied"] for s in (0, 1)] == list(_TIED), record
+
+    def dump(tag: str, kind: str, rank: int) -> dict[str, Any]:
+        return torch.load(keep / f"{tag}.{kind}.rank{rank}.pt", weights_only=True)
+
+    # PP=2 -> PP=1: the two stages' values at save, joined, are what each PP=1 rank holds after the load
+    joined = _join_stages(dump("pp2-pp1", "saved", 0), dump("pp2-pp1", "saved", 1))
+    assert sum(1 for k in joined if k.startswith("exp_avg_sq:")) >= 20 and any(".bias" in k for k in joined)
+    for rank in (0, 1):
+        loaded = dump("pp2-pp1", "loaded", rank)
+        assert _differ(loaded, joined) == [], _differ(loaded, joined)
+    with Group(1, device="cpu", destroy_subgroups=True, warm=WARM_CPU) as group:
+        (one,) = group.run(functools.partial(SCENARIOS.load_pp_at_1rank, str(keep)), timeout=300)
+    assert _differ(one["values"], joined) == [], _differ(one["values"], joined)
+    assert not one["rng_restored"] and one["iteration"] == 2
+    next_loss = per_rank[0]["pp2-pp1"]["next_loss"]
+    assert abs(one["loss"] - next_loss) <= 1e-5 * abs(next_loss), (one["loss"], next_loss)
+    # PP=1 -> PP=2: the two stages' loaded values, joined, are the PP=1 run's values at save
+    joined = _join_stages(dump("pp1-pp2", "loaded", 0), dump("pp1-pp2", "loaded", 1))
+    saved = dump("pp1-pp2", "saved", 0)
+    assert _differ(joined, saved) == [], _differ(joined, saved)
