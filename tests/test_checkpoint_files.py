@@ -71,6 +71,10 @@ def test_inspect_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert main(["checkpoint", "inspect", str(path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["model"][0]["1.bias"] == {"shape": [2], "dtype": "float32"} and info["iteration"] == 7
+    assert info["reshard"]["tp"].startswith("yes") and info["reshard"]["pp"].startswith("yes"), info["reshard"]
+    (path / man.PP_RECORD).unlink()  # as written before PP resharding
+    assert main(["checkpoint", "inspect", str(path)]) == 0
+    assert "PP         no: written without the pipeline record" in capsys.readouterr().out
     assert main(["checkpoint", "inspect", str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a directory" in err

@@ -6,8 +6,10 @@ optimizer as they were. Resharding: the optimizer's records are keyed by model p
 (:mod:`.state`), so they are reassembled per parameter and cut to this rank's range: a checkpoint loads at
 another data-parallel size and with or without the distributed optimizer, exactly; at another TP size the saved TP
 shards of each parameter (weights, main params, moments) are joined and cut to this rank's piece as the manifest's
-per-param record says (:mod:`.tp`), exactly; another PP / EP / virtual-stage layout is refused before anything is
-read into the model.
+per-param record says (:mod:`.tp`), exactly; at another PP size (no virtual stages, EP=1) each rank reads every
+saved stage of its TP rank and takes its own layers' values by Megatron's layer numbers, recorded per stage at save
+(:mod:`.pp`), exactly; another EP / virtual-stage layout, or TP and PP changed together, is refused before anything
+is read into the model.
 """
 
 from __future__ import annotations
@@ -462,16 +464,18 @@ def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
 
     Returns:
         A :class:`LoadedCheckpoint` (iteration, this rank's extra, manifest, whether RNG states were restored: not
-        after a TP or DP change).
+        after a TP, PP or DP change).
 
     Raises:
         CheckpointFormatError: not a (complete) checkpoint of this format: no manifest, a shard missing or
             truncated.
         CheckpointInProgressError: another process is writing it (or died doing so).
-        CheckpointMismatchError: it does not fit the model / optimizer / scheduler.
-        CheckpointReshardError: saved at another PP, EP or virtual-stage layout, or at another TP size that this
-            checkpoint or model cannot be resharded to (no per-param TP record, experts, shapes that do not tile,
-            e.g. another vocabulary padding).
+        CheckpointMismatchError: it does not fit the model / optimizer / scheduler (at a PP change also: another
+            layer count or tied-embedding setting, a saved tensor no rank takes with ``strict``).
+        CheckpointReshardError: saved at another EP or virtual-stage layout, at another TP and PP size at once,
+            or at another TP or PP size that this checkpoint or model cannot be resharded to (no per-param TP /
+            per-stage layer record, experts, shapes that do not tile, e.g. another vocabulary padding, tied
+            embedding copies that differ between the saved stages).
     """
     chunk_list = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     where = coords(len(chunk_list))

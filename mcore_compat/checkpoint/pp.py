@@ -1,16 +1,17 @@
 """Pipeline-parallel resharding of a checkpoint: which saved stage holds each tensor a rank of another pipeline
 size loads, found from Megatron's own layer numbers rather than from names.
 
-Each pipeline stage numbers its transformer layers locally in its ``state_dict`` (``<block>.layers.<i>.``); the
-global number is the stage's layer offset plus ``i``, computed differently per release
-(megatron/core/transformer/transformer_layer.py: ``TransformerLayer._get_layer_offset`` 0.4-0.11,
-``get_transformer_layer_offset(config)`` 0.12+, with ``vp_stage`` and the pipeline rank from 0.13/0.14, uneven
-first/last stages through ``num_layers_in_first_pipeline_stage`` / ``..._last_...``). Every release stores the
-result on the layer: ``TransformerLayer.layer_number`` (1-based, global). :func:`stage_record` reads it at save from
-the built model: per chunk, ``{module name: layer_number}`` of the outermost modules carrying ``layer_number``
-(inner modules such as 0.4's attention carry the local number), the name of the tied embedding / output weight and
-``config.num_layers``. The load reads the same from the loading model, so a tensor's place is its layer number and
-its name inside the layer (or, outside the layers, its name), whatever the split of layers over stages.
+Each pipeline stage numbers its transformer layers locally in its ``state_dict`` (``<block>.layers.<i>.``); the global
+number is the stage's layer offset plus ``i``, computed differently per release
+(megatron/core/transformer/transformer_layer.py: the method ``TransformerLayer._get_layer_offset`` 0.4-0.10,
+``get_transformer_layer_offset(config)`` from 0.11 with uneven first/last stages through
+``num_layers_in_first_pipeline_stage`` / ``..._last_...``, a ``vp_stage`` argument from 0.13, ``pp_rank`` from 0.15).
+Every release stores the result on the layer: ``TransformerLayer.layer_number`` (1-based, global).
+:func:`stage_record` reads it at save from the built model: per chunk, ``{module name: layer_number}`` of the
+outermost modules carrying ``layer_number`` (inner modules such as 0.4's attention carry the local number), the name
+of the tied embedding / output weight and ``config.num_layers``. The load reads the same from the loading model, so a
+tensor's place is its layer number and its name inside the layer (or, outside the layers, its name), whatever the
+split of layers over stages.
 
 Tied embeddings (``share_embeddings_and_output_weights``): at PP > 1 the last stage holds ``output_layer.weight``,
 a parameter of its own that Megatron keeps equal to the first stage's embedding (zeroed then all-reduced over the
