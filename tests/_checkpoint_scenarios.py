@@ -434,7 +434,8 @@ def torch_save(value: Any, file: str) -> None:
 
 def load_pp_at_1rank(keep: str) -> dict[str, Any]:
     """On ONE rank: the PP=2 checkpoint :func:`case_reshard_pp` left in ``keep``, loaded at PP=1 (DP=1, distributed
-    optimizer); the loaded values (for the test to compare) and step 3's loss."""
+    optimizer); the loaded values (for the test to compare) and step 3's loss; then its copy whose last stage's tied
+    output weight the test changed (``pp2-pp1-tampered``): the refusal, and what it changed (``[]``)."""
     import mcore_compat as mc
 
     apply_patches()
@@ -443,8 +444,9 @@ def load_pp_at_1rank(keep: str) -> dict[str, Any]:
                         seed=5))
     run.opts = _opts("pp2-tied-fp32", nproc=1, pp=1, dp=1, dtype="bf16", distributed_optimizer=True, bias=True)
     loaded = mc.load_checkpoint(os.path.join(keep, "pp2-pp1"), run.chunks, run.optimizer)
-    out = {"values": _full_state(run), "rng_restored": loaded.rng_restored, "iteration": loaded.iteration,
-           "loss": run.step()}
+    out = {"values": _full_state(run), "rng_restored": loaded.rng_restored, "iteration": loaded.iteration}
+    out["tied_refusal"], out["tied_unchanged"] = _refused_unchanged(os.path.join(keep, "pp2-pp1-tampered"), run)
+    out["loss"] = run.step()
     run.release()
     from mcore_compat.training._common import parallel_state
 

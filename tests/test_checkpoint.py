@@ -7,6 +7,7 @@ ONE module-scoped ``run_all`` on the session's 2 gloo ranks (tests/_checkpoint_s
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,17 @@ RESUME = [n for n in SCENARIOS.CASE_NAMES if n.startswith("resume-")]
 @pytest.fixture(scope="module")
 def keep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("checkpoint-keep")
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Iterator[Any]:
+    """ONE gloo rank for the loads at DP=1 / PP=1 of the 2-rank checkpoints, started once for this module."""
+    from conftest import WARM_CPU
+
+    from mcore_compat.launch import Group
+
+    with Group(1, device="cpu", destroy_subgroups=True, warm=WARM_CPU) as group:
+        yield group
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +77,11 @@ def test_reshard_distributed_optimizer_on_off(results: dict[str, Any]) -> None:
 
 
 @pytest.mark.mcore
-def test_reshard_dp2_to_dp1(results: dict[str, Any], keep: Path) -> None:
+def test_reshard_dp2_to_dp1(results: dict[str, Any], keep: Path, one_rank: Any) -> None:
     """Saved at DP=2 with the distributed optimizer, loaded on one rank (DP=1) with and without it: every weight,
     main param, moment and step as saved; the RNG states are not restored (another layout), and it trains on."""
-    from conftest import WARM_CPU
-
-    from mcore_compat.launch import Group
-
     _case(results, "reshard")
-    with Group(1, device="cpu", destroy_subgroups=True, warm=WARM_CPU) as group:
-        (out,) = group.run(functools.partial(SCENARIOS.load_at_dp1, str(keep)), timeout=300)
+    (out,) = one_rank.run(functools.partial(SCENARIOS.load_at_dp1, str(keep)), timeout=300)
     for mode, r in out.items():
         assert r["diff"] == [] and not r["rng_restored"] and r["trains"], (mode, r)
 
@@ -217,20 +224,36 @@ def _join_stages(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
     return {**first, **rest}
 
 
+def _tamper_tied(src: Path, dst: Path) -> None:
+    """A copy of the PP=2 checkpoint ``src`` whose last stage's tied output weight no longer equals the embedding
+    (one element changed; the manifest's byte count updated)."""
+    import json
+    import shutil
+
+    import torch
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    manifest = json.loads((dst / "mcore_compat_checkpoint.json").read_text())
+    (last,) = [f for f in manifest["files"] if f["coords"]["pp"] == 1]
+    shard = torch.load(dst / last["name"], weights_only=True)
+    shard["model"][0]["output_layer.weight"].view(-1)[0] += 1
+    torch.save(shard, dst / last["name"])
+    last["bytes"] = (dst / last["name"]).stat().st_size
+    (dst / "mcore_compat_checkpoint.json").write_text(json.dumps(manifest))
+
+
 @pytest.mark.mcore
-def test_reshard_pp(results: dict[str, Any], keep: Path) -> None:
+def test_reshard_pp(results: dict[str, Any], keep: Path, one_rank: Any) -> None:
     """PP=2 -> PP=1 (on the 2 ranks as DP=2, and on one rank) and PP=1 (DP=2) -> PP=2 (2 steps trained, tied
     embeddings, biases, bf16 with fp32 main params, distributed optimizer): weights, main params, both moments and
     step after the load equal the saved run's values, the stages joined in the test (stage 1's layers renumbered,
     its tied output layer equal to the embedding), bit for bit; the layer numbers recorded at save are Megatron's;
     step 3 from the loaded state computes the saved run's step-3 loss on the same batch; a model with another
-    layer count is refused, unchanged, and so is a checkpoint without the pipeline record."""
+    layer count is refused, unchanged, and so are a checkpoint without the pipeline record and one whose tied output
+    weight differs from the embedding."""
     import json
 
     import torch
-    from conftest import WARM_CPU
-
-    from mcore_compat.launch import Group
 
     per_rank = _case(results, "reshard-pp")
     for r in per_rank:
@@ -258,9 +281,13 @@ def test_reshard_pp(results: dict[str, Any], keep: Path) -> None:
     for rank in (0, 1):
         loaded = dump("pp2-pp1", "loaded", rank)
         assert _differ(loaded, joined) == [], _differ(loaded, joined)
-    with Group(1, device="cpu", destroy_subgroups=True, warm=WARM_CPU) as group:
-        (one,) = group.run(functools.partial(SCENARIOS.load_pp_at_1rank, str(keep)), timeout=300)
+    _tamper_tied(keep / "pp2-pp1", keep / "pp2-pp1-tampered")
+    (one,) = one_rank.run(functools.partial(SCENARIOS.load_pp_at_1rank, str(keep)), timeout=300)
     assert _differ(one["values"], joined) == [], _differ(one["values"], joined)
+    assert one["tied_refusal"] and one["tied_refusal"].startswith("CheckpointReshardError") \
+        and "output_layer.weight on saved PP stage 1" in one["tied_refusal"] and "PP=2" in one["tied_refusal"] \
+        and "\n" not in one["tied_refusal"], one["tied_refusal"]
+    assert one["tied_unchanged"] == [], one["tied_unchanged"]
     assert not one["rng_restored"] and one["iteration"] == 2
     next_loss = per_rank[0]["pp2-pp1"]["next_loss"]
     assert abs(one["loss"] - next_loss) <= 1e-5 * abs(next_loss), (one["loss"], next_loss)
