@@ -446,7 +446,8 @@ def torch_save(value: Any, file: str) -> None:
 
 def load_pp_at_1rank(keep: str) -> dict[str, Any]:
     """On ONE rank: the PP=2 checkpoint :func:`case_reshard_pp` left in ``keep``, loaded at PP=1 (DP=1) with and
-    without the distributed optimizer: the loaded values (for the test to compare) and step 3's loss; then its copy
+    without the distributed optimizer: the loaded values (for the test to compare: in ``keep``, a file per mode, as
+    tensors passed back between processes are slow to move) and step 3's loss; then its copy
     whose last stage's tied output weight the test changed (``pp2-pp1-tampered``): the refusal, and what it changed
     (``[]``)."""
     import mcore_compat as mc
@@ -457,8 +458,8 @@ def load_pp_at_1rank(keep: str) -> dict[str, Any]:
         run = _pp_run(1, nproc=1, dp=1, seed=5, distributed_optimizer=distopt)
         run.opts = dataclasses.replace(run.opts, seed=BASE["seed"])  # the saved run's data
         loaded = mc.load_checkpoint(os.path.join(keep, "pp2-pp1"), run.chunks, run.optimizer)
-        mode = out[f"distopt={distopt}"] = {"values": _full_state(run), "rng_restored": loaded.rng_restored,
-                                            "iteration": loaded.iteration,
+        torch_save(_full_state(run), os.path.join(keep, f"pp2-pp1.loaded.1rank.distopt={distopt}.pt"))
+        mode = out[f"distopt={distopt}"] = {"rng_restored": loaded.rng_restored, "iteration": loaded.iteration,
                                             "distopt": run.opts.distributed_optimizer}
         if not distopt:
             out["tied_refusal"], out["tied_unchanged"] = _refused_unchanged(
