@@ -38,7 +38,7 @@ import torch
 from ..layout.read import unwrap
 from .errors import CheckpointMismatchError, CheckpointReshardError
 
-__all__ = ["TIED", "Restaged", "StageChunk", "global_id", "restage", "stage_record"]
+__all__ = ["TIED", "Assemble", "Restaged", "StageChunk", "global_id", "restage", "stage_record"]
 
 #: The global id of the tied embedding / output weight (on whichever stage holds it).
 TIED = "<tied embedding>"
@@ -123,6 +123,8 @@ class Restaged:
 
 
 def _stage_chunks(record: dict[str, list[dict[str, Any]]], saved_pp: int, hint: str) -> dict[int, StageChunk]:
+    """``{saved stage: its one chunk's StageChunk}`` from the record (refused: a stage missing or with virtual
+    stages)."""
     out: dict[int, StageChunk] = {}
     for stage in range(saved_pp):
         chunks = record.get(f"pp{stage}")
@@ -134,6 +136,7 @@ def _stage_chunks(record: dict[str, list[dict[str, Any]]], saved_pp: int, hint: 
 
 
 def _check_layouts(saved: dict[int, StageChunk], mine: StageChunk, hint: str) -> None:
+    """Refuse another layer count or tie setting, and a layer number held twice (saved or here)."""
     counts = {c.num_layers for c in saved.values() if c.num_layers is not None}
     if counts and mine.num_layers is not None and mine.num_layers not in counts:
         raise CheckpointMismatchError(f"the checkpoint's model has {sorted(counts)[0]} transformer layers, this one "
@@ -160,17 +163,22 @@ def _check_layouts(saved: dict[int, StageChunk], mine: StageChunk, hint: str) ->
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and values."""
     return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
 
 
 def _describe(gid: str, places: list[tuple[int, str]]) -> str:
+    """The saved tensors ``places`` (stage, name) of one id, for a refusal."""
     where = " and ".join(f"{name} on saved PP stage {stage}" for stage, name in places)
     return f"the tied embedding / output weight ({where})" if gid == TIED else where
 
 
+#: Joins one param's flattened-range records (``key``, records, which value of a record) into its whole value.
+Assemble = Callable[[str, list[dict[str, Any]], Callable[[dict[str, Any]], Any]], torch.Tensor]
+
+
 def restage(shards: Iterable[dict[str, Any]], record: dict[str, list[dict[str, Any]]], saved_pp: int,
-            chunks: list[Any], tp_rank: int, assemble: Callable[[str, list[dict[str, Any]], Callable[[Any], Any]],
-                                                                  torch.Tensor], hint: str) -> Restaged:
+            chunks: list[Any], tp_rank: int, assemble: Assemble, hint: str) -> Restaged:
     """The saved values this rank loads at another pipeline size (see the module docstring).
 
     Args:
@@ -244,8 +252,10 @@ def restage(shards: Iterable[dict[str, Any]], record: dict[str, list[dict[str, A
 
 
 def _main(record: dict[str, Any]) -> Any:
+    """A record's main param."""
     return record["main"]
 
 
 def _state(name: str) -> Callable[[dict[str, Any]], Any]:
+    """A record's optimizer state ``name``."""
     return lambda record: record["state"][name]
