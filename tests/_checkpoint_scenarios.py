@@ -5,7 +5,7 @@ weights differ before the load) loads the checkpoint and trains M steps. Their w
 moments, step counts and losses must be equal bit for bit. Configurations: DP=2 with the distributed optimizer
 (bf16, dropout, a scheduler) and without (fp32), TP=2 (sequence parallel, dropout), PP=2 with tied embeddings,
 MoE with EP=2 where the release has it. Then resharding (distributed optimizer <-> not, at DP=2; TP=2 <-> TP=1;
-a TP change refused for a checkpoint without the TP record)
+PP=2 <-> PP=1; a TP or PP change refused for a checkpoint without the TP / PP record)
 and bad input (nothing loaded after a refusal). ``run_all()`` returns plain data; the pytest side asserts.
 """
 
@@ -241,12 +241,17 @@ def _refused_unchanged(path: Any, run: Run) -> tuple[str | None, list[str]]:
 
 def _strip_tp_record(path: str) -> None:
     """Rank 0: drop the per-param TP record, as a checkpoint written before TP resharding lacks it."""
+    _strip_record(path, "TP_RECORD")
+
+
+def _strip_record(path: str, which: str) -> None:
+    """Rank 0: drop the file beside the manifest named by ``manifest.<which>`` (``TP_RECORD``, ``PP_RECORD``)."""
     import torch.distributed as dist
 
-    from mcore_compat.checkpoint.manifest import TP_RECORD
+    from mcore_compat.checkpoint import manifest
 
     if dist.get_rank() == 0:
-        os.remove(os.path.join(path, TP_RECORD))
+        os.remove(os.path.join(path, getattr(manifest, which)))
     dist.barrier()
 
 
@@ -261,6 +266,12 @@ def _tp_unsupported() -> str | None:
     from mcore_compat.selfcheck.models import unsupported_reason
 
     return unsupported_reason(_tp_opts(2)) or unsupported_reason(_tp_opts(1))
+
+
+def _pp_unsupported() -> str | None:
+    from mcore_compat.selfcheck.models import unsupported_reason
+
+    return unsupported_reason(_pp_opts(2)) or unsupported_reason(_pp_opts(1))
 
 
 def _tp_dump(run: Run, file: str) -> None:
@@ -343,6 +354,121 @@ def case_reshard_tp() -> dict[str, Any]:
         mc.load_checkpoint(path, other.chunks, other.optimizer)
         out["gated-tp2-tp1"] = {"next_loss": next_loss, "loss": other.step()}
         other.release()
+    return out
+
+
+def _pp_opts(pp: int, **over: Any) -> Any:
+    """The GPT (tied embeddings, biases, bf16 with fp32 main params, distributed optimizer, no dropout) at PP=2 x
+    DP=1 or PP=1 x DP=2 on the 2 ranks; 4 transformer layers either way (see :func:`_layers`)."""
+    return _opts("pp2-tied-fp32", **{"pp": pp, "dp": 2 // pp, "dtype": "bf16", "distributed_optimizer": True,
+                                      "bias": True, **over})
+
+
+@contextlib.contextmanager
+def _layers(per_stage: int) -> Iterator[None]:
+    """Models built meanwhile have ``per_stage`` transformer layers per pipeline rank (the self-check's default
+    is 2), so that PP=1 and PP=2 builds can have the same 4 layers."""
+    from mcore_compat.selfcheck import models
+
+    default, models.LAYERS_PER_STAGE = models.LAYERS_PER_STAGE, per_stage
+    try:
+        yield
+    finally:
+        models.LAYERS_PER_STAGE = default
+
+
+def _pp_run(pp: int, **over: Any) -> Run:
+    """:func:`_pp_opts`' model built (4 layers), with the distributed optimizer; without it where the release
+    refuses to build this model with it (0.7 at PP=1: the tied embedding would start inside the gradient bucket
+    before it, :mod:`mcore_compat.training.tied_buckets`; the test checks that only a release that can lay it so
+    falls back)."""
+    from mcore_compat.errors import UnsupportedVersionError
+
+    with _layers(4 // pp):
+        try:
+            return Run(_pp_opts(pp, **over))
+        except UnsupportedVersionError as exc:
+            if "tied embedding/output weight" not in str(exc) or not over.get("distributed_optimizer", True):
+                raise
+            return Run(_pp_opts(pp, **{**over, "distributed_optimizer": False}))
+
+
+def case_reshard_pp() -> dict[str, Any]:
+    """Saved at PP=2 after 2 steps, loaded into a fresh PP=1 x DP=2 build (other seed), and PP=1 x DP=2 -> PP=2
+    (distributed optimizer where the release builds the model with it, :func:`_pp_run`):
+    each rank dumps its values at save and after the load (and the checkpoint is kept, for :func:`load_pp_at_1rank`
+    and for the test to rename stage 1's layers); step 3 from the loaded state next to the saved run's step 3 on
+    the same batch; a PP=1 model of 2 layers refuses the 4-layer checkpoint with its values unchanged, and so does
+    any PP=1 model once the pipeline record is removed (as written before PP resharding)."""
+    import torch.distributed as dist
+
+    import mcore_compat as mc
+    from mcore_compat.checkpoint.save import _gather
+
+    assert _KEEP is not None
+    rank = dist.get_rank()
+    out: dict[str, Any] = {"status": "ok"}
+    for src, dst in ((2, 1), (1, 2)):
+        tag = f"pp{src}-pp{dst}"
+        path = _shared_dir(f"reshard-{tag}")
+        run = _pp_run(src)
+        run.step(), run.step()
+        mc.save_checkpoint(path, run.chunks, run.optimizer, iteration=2)
+        torch_save(_full_state(run), os.path.join(_KEEP, f"{tag}.saved.rank{rank}.pt"))
+        next_loss = next(x for x in _gather(run.step()) if x is not None)  # step 3: the last stage / DP rank 0
+        run.release()
+        other = _pp_run(dst, seed=99)
+        other.opts = dataclasses.replace(other.opts, seed=run.opts.seed)  # the same data as the saved run
+        loaded = mc.load_checkpoint(path, other.chunks, other.optimizer)
+        torch_save(_full_state(other), os.path.join(_KEEP, f"{tag}.loaded.rank{rank}.pt"))
+        loss = next(x for x in _gather(other.step()) if x is not None)  # the same batch (data-parallel rank 0's)
+        out[tag] = {"rng_restored": loaded.rng_restored, "iteration": loaded.iteration, "next_loss": next_loss,
+                    "loss": loss, "distopt": [run.opts.distributed_optimizer, other.opts.distributed_optimizer]}
+        other.release()
+        if rank == 0:
+            shutil.copytree(path, os.path.join(_KEEP, tag), dirs_exist_ok=True)
+        dist.barrier()
+        if src == 2:  # a model of another depth: refused, nothing loaded
+            with _layers(2):
+                bad = Run(_pp_opts(1, seed=98))
+            out["layers_refusal"], out["layers_unchanged"] = _refused_unchanged(path, bad)
+            _strip_record(path, "PP_RECORD")  # as written before PP resharding: a PP change is refused
+            out["record_refusal"], out["record_unchanged"] = _refused_unchanged(path, bad)
+            bad.release()
+    return out
+
+
+def torch_save(value: Any, file: str) -> None:
+    import torch
+
+    torch.save(value, file)
+
+
+def load_pp_at_1rank(keep: str) -> dict[str, Any]:
+    """On ONE rank: the PP=2 checkpoint :func:`case_reshard_pp` left in ``keep``, loaded at PP=1 (DP=1) with and
+    without the distributed optimizer: the loaded values (for the test to compare: in ``keep``, a file per mode, as
+    tensors passed back between processes are slow to move) and step 3's loss; then its copy
+    whose last stage's tied output weight the test changed (``pp2-pp1-tampered``): the refusal, and what it changed
+    (``[]``)."""
+    import mcore_compat as mc
+
+    apply_patches()
+    out: dict[str, Any] = {}
+    for distopt in (True, False):
+        run = _pp_run(1, nproc=1, dp=1, seed=5, distributed_optimizer=distopt)
+        run.opts = dataclasses.replace(run.opts, seed=BASE["seed"])  # the saved run's data
+        loaded = mc.load_checkpoint(os.path.join(keep, "pp2-pp1"), run.chunks, run.optimizer)
+        torch_save(_full_state(run), os.path.join(keep, f"pp2-pp1.loaded.1rank.distopt={distopt}.pt"))
+        mode = out[f"distopt={distopt}"] = {"rng_restored": loaded.rng_restored, "iteration": loaded.iteration,
+                                            "distopt": run.opts.distributed_optimizer}
+        if not distopt:
+            out["tied_refusal"], out["tied_unchanged"] = _refused_unchanged(
+                os.path.join(keep, "pp2-pp1-tampered"), run)
+        mode["loss"] = run.step()
+        run.release()
+    from mcore_compat.training._common import parallel_state
+
+    parallel_state().destroy_model_parallel()
     return out
 
 
@@ -453,6 +579,7 @@ def cases() -> dict[str, Callable[[], dict[str, Any]]]:
     out["fault-dropped-moment"] = case_fault_dropped_moment
     out["reshard"] = case_reshard
     out["reshard-tp"] = case_reshard_tp
+    out["reshard-pp"] = case_reshard_pp
     out["bad-input"] = case_bad_input
     return out
 
@@ -508,6 +635,8 @@ def run_all(only: tuple[str, ...] = (), keep: str | None = None) -> dict[str, An
         why = unsupported(config) if config in CONFIGS else None
         if name == "reshard-tp":
             why = _tp_unsupported()
+        if name == "reshard-pp":
+            why = _pp_unsupported()
         if why is not None:
             results[name] = {"status": "unsupported", "reason": why}
             continue

@@ -7,6 +7,7 @@ ONE module-scoped ``run_all`` on the session's 2 gloo ranks (tests/_checkpoint_s
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,17 @@ RESUME = [n for n in SCENARIOS.CASE_NAMES if n.startswith("resume-")]
 @pytest.fixture(scope="module")
 def keep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("checkpoint-keep")
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Iterator[Any]:
+    """ONE gloo rank for the loads at DP=1 / PP=1 of the 2-rank checkpoints, started once for this module."""
+    from conftest import WARM_CPU
+
+    from mcore_compat.launch import Group
+
+    with Group(1, device="cpu", destroy_subgroups=True, warm=WARM_CPU) as group:
+        yield group
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +77,11 @@ def test_reshard_distributed_optimizer_on_off(results: dict[str, Any]) -> None:
 
 
 @pytest.mark.mcore
-def test_reshard_dp2_to_dp1(results: dict[str, Any], keep: Path) -> None:
+def test_reshard_dp2_to_dp1(results: dict[str, Any], keep: Path, one_rank: Any) -> None:
     """Saved at DP=2 with the distributed optimizer, loaded on one rank (DP=1) with and without it: every weight,
     main param, moment and step as saved; the RNG states are not restored (another layout), and it trains on."""
-    from conftest import WARM_CPU
-
-    from mcore_compat.launch import Group
-
     _case(results, "reshard")
-    with Group(1, device="cpu", destroy_subgroups=True, warm=WARM_CPU) as group:
-        (out,) = group.run(functools.partial(SCENARIOS.load_at_dp1, str(keep)), timeout=300)
+    (out,) = one_rank.run(functools.partial(SCENARIOS.load_at_dp1, str(keep)), timeout=300)
     for mode, r in out.items():
         assert r["diff"] == [] and not r["rng_restored"] and r["trains"], (mode, r)
 
@@ -189,3 +196,112 @@ def test_reshard_tp(results: dict[str, Any], keep: Path) -> None:
     whole = _shard_values(keep / "tp1-tp2", 0)
     assert _differ(joined, whole) == [], _differ(joined, whole)
     assert sum(1 for k in whole if k.startswith("exp_avg_sq:")) >= 8
+
+
+def _restage(values: dict[str, Any], offset: int) -> dict[str, Any]:
+    """A pipeline stage's dumped values under PP=1 names: its local layer ``decoder.layers.<i>`` is global layer
+    ``offset + i`` (the test model has 2 layers on each of the 2 stages)."""
+    import re
+
+    return {re.sub(r"(0\.decoder\.layers\.)(\d+)\.", lambda m: f"{m[1]}{int(m[2]) + offset}.", k): v
+            for k, v in values.items()}
+
+
+_TIED = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _join_stages(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
+    """The PP=1 values of a PP=2 model's two stages: the last stage's layers renumbered; its tied output layer copy
+    (weight, main param, both moments, step) checked equal to the first stage's embedding and left out."""
+    embedding, output = _TIED
+    copies = {k: v for k, v in last.items() if k.endswith(f":0.{output}")}
+    assert len(copies) == 5, sorted(copies)  # the model weight, and the optimizer's main param, moments, step
+    for k, v in copies.items():
+        twin = k.replace(output, embedding)
+        assert _differ({k: first[twin]}, {k: v}) == [], k
+    rest = _restage({k: v for k, v in last.items() if k not in copies}, 2)
+    assert not set(first) & set(rest), sorted(set(first) & set(rest))
+    return {**first, **rest}
+
+
+def _tamper_tied(src: Path, dst: Path) -> None:
+    """A copy of the PP=2 checkpoint ``src`` whose last stage's tied output weight no longer equals the embedding
+    (one element changed; the manifest's byte count updated)."""
+    import json
+    import shutil
+
+    import torch
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    manifest = json.loads((dst / "mcore_compat_checkpoint.json").read_text())
+    (last,) = [f for f in manifest["files"] if f["coords"]["pp"] == 1]
+    shard = torch.load(dst / last["name"], weights_only=True)
+    shard["model"][0]["output_layer.weight"].view(-1)[0] += 1
+    torch.save(shard, dst / last["name"])
+    last["bytes"] = (dst / last["name"]).stat().st_size
+    (dst / "mcore_compat_checkpoint.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.mcore
+def test_reshard_pp(results: dict[str, Any], keep: Path, one_rank: Any) -> None:
+    """PP=2 -> PP=1 (on the 2 ranks as DP=2, and on one rank) and PP=1 (DP=2) -> PP=2 (2 steps trained, tied
+    embeddings, biases, bf16 with fp32 main params, distributed optimizer): weights, main params, both moments and
+    step after the load equal the saved run's values, the stages joined in the test (stage 1's layers renumbered,
+    its tied output layer equal to the embedding), bit for bit; the layer numbers recorded at save are Megatron's;
+    step 3 from the loaded state computes the saved run's step-3 loss on the same batch; a model with another
+    layer count is refused, unchanged, and so are a checkpoint without the pipeline record and one whose tied output
+    weight differs from the embedding."""
+    import json
+
+    import torch
+    from packaging.version import Version
+
+    from mcore_compat.training.tied_buckets import can_straddle
+
+    per_rank = _case(results, "reshard-pp")
+    # the builds use the distributed optimizer, except on a release that lays this model's tied embedding over two
+    # gradient buckets with it (0.7) and refuses to build it (mcore_compat.training.tied_buckets)
+    distopt = (True, False) if can_straddle(Version(results["version"])) else (True,)
+    for r in per_rank:
+        for tag in ("pp2-pp1", "pp1-pp2"):
+            t = r[tag]
+            assert abs(t["loss"] - t["next_loss"]) <= 1e-5 * abs(t["next_loss"]), t
+            assert t["rng_restored"] is False and t["iteration"] == 2, t
+            assert all(d in distopt for d in t["distopt"]), t  # [saved run, loading run]
+        assert r["layers_refusal"] and r["layers_refusal"].startswith("CheckpointMismatchError") \
+            and "4 transformer layers" in r["layers_refusal"] and "\n" not in r["layers_refusal"], r["layers_refusal"]
+        assert r["layers_unchanged"] == [], r["layers_unchanged"]
+        assert r["record_refusal"] and r["record_refusal"].startswith("CheckpointReshardError") \
+            and "PP 2 -> 1" in r["record_refusal"] and "layer numbers" in r["record_refusal"] \
+            and "\n" not in r["record_refusal"], r["record_refusal"]
+        assert r["record_unchanged"] == [], r["record_unchanged"]
+    record = json.loads((keep / "pp2-pp1" / "mcore_compat_pipeline.json").read_text())
+    assert [sorted(record[f"pp{s}"][0]["layers"].values()) for s in (0, 1)] == [[1, 2], [3, 4]], record
+    assert [record[f"pp{s}"][0]["tied"] for s in (0, 1)] == list(_TIED), record
+
+    def dump(tag: str, kind: str, rank: int) -> dict[str, Any]:
+        return torch.load(keep / f"{tag}.{kind}.rank{rank}.pt", weights_only=True)
+
+    # PP=2 -> PP=1: the two stages' values at save, joined, are what each PP=1 rank holds after the load
+    joined = _join_stages(dump("pp2-pp1", "saved", 0), dump("pp2-pp1", "saved", 1))
+    assert sum(1 for k in joined if k.startswith("exp_avg_sq:")) >= 20 and any(".bias" in k for k in joined)
+    for rank in (0, 1):
+        loaded = dump("pp2-pp1", "loaded", rank)
+        assert _differ(loaded, joined) == [], _differ(loaded, joined)
+    _tamper_tied(keep / "pp2-pp1", keep / "pp2-pp1-tampered")
+    (one,) = one_rank.run(functools.partial(SCENARIOS.load_pp_at_1rank, str(keep)), timeout=300)
+    next_loss = per_rank[0]["pp2-pp1"]["next_loss"]
+    for mode in (True, False):
+        r = one[f"distopt={mode}"]
+        values = torch.load(keep / f"pp2-pp1.loaded.1rank.distopt={mode}.pt", weights_only=True)
+        assert _differ(values, joined) == [], (mode, _differ(values, joined))
+        assert not r["rng_restored"] and r["iteration"] == 2 and r["distopt"] in (distopt if mode else (False,)), r
+        assert abs(r["loss"] - next_loss) <= 1e-5 * abs(next_loss), (mode, r["loss"], next_loss)
+    assert one["tied_refusal"] and one["tied_refusal"].startswith("CheckpointReshardError") \
+        and "output_layer.weight on saved PP stage 1" in one["tied_refusal"] and "PP=2" in one["tied_refusal"] \
+        and "\n" not in one["tied_refusal"], one["tied_refusal"]
+    assert one["tied_unchanged"] == [], one["tied_unchanged"]
+    # PP=1 -> PP=2: the two stages' loaded values, joined, are the PP=1 run's values at save
+    joined = _join_stages(dump("pp1-pp2", "loaded", 0), dump("pp1-pp2", "loaded", 1))
+    saved = dump("pp1-pp2", "saved", 0)
+    assert _differ(joined, saved) == [], _differ(joined, saved)

@@ -63,6 +63,32 @@ def test_refusals_leave_the_model_alone(tmp_path: Path, damage: str, error: str)
     assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
 
 
+@pytest.mark.parametrize("saved, record, error, words", [
+    ({"pp": 2, "vpp": 2}, True, "CheckpointReshardError", ["PP 2 -> 1, VPP 2 -> 1", "gather_full"]),
+    ({"pp": 2, "ep": 2}, True, "CheckpointReshardError", ["PP 2 -> 1, EP 2 -> 1", "PP without virtual stages"]),
+    ({"pp": 2, "tp": 2}, True, "CheckpointReshardError", ["TP 2 -> 1, PP 2 -> 1", "one of them per load"]),
+    ({"pp": 2}, False, "CheckpointReshardError", ["PP 2 -> 1", "did not record each stage's layer numbers"]),
+    ({"pp": 2}, True, "CheckpointFormatError", ["no shard of TP rank 0 for each of its 2 PP stages"]),
+])
+def test_pipeline_change_refusals(tmp_path: Path, saved: dict[str, int], record: bool, error: str,
+                                  words: list[str]) -> None:
+    """A layout the format does not reshard to (virtual stages, EP, TP and PP at once), a checkpoint without the
+    pipeline record, one missing a stage's shards: one line naming it and the way out, the model untouched."""
+    path = _saved(tmp_path)
+    data = json.loads((path / man.MANIFEST).read_text())
+    data["layout"].update(saved)
+    (path / man.MANIFEST).write_text(json.dumps(data))
+    if not record:
+        (path / man.PP_RECORD).unlink()
+    target = _model(1)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(mc.CheckpointError) as info:
+        mc.load_checkpoint(path, target)
+    text = str(info.value)
+    assert type(info.value).__name__ == error and "\n" not in text and all(w in text for w in words), text
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+
+
 def test_inspect_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _saved(tmp_path)
     assert main(["checkpoint", "inspect", str(path)]) == 0
@@ -71,6 +97,10 @@ def test_inspect_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert main(["checkpoint", "inspect", str(path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["model"][0]["1.bias"] == {"shape": [2], "dtype": "float32"} and info["iteration"] == 7
+    assert info["reshard"]["tp"].startswith("yes") and info["reshard"]["pp"].startswith("yes"), info["reshard"]
+    (path / man.PP_RECORD).unlink()  # as written before PP resharding
+    assert main(["checkpoint", "inspect", str(path)]) == 0
+    assert "PP         no: written without the pipeline record" in capsys.readouterr().out
     assert main(["checkpoint", "inspect", str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a directory" in err

@@ -9,8 +9,8 @@
     loaded.iteration, loaded.extra
 
 One format on every release (:mod:`.manifest`): per-rank torch files and a JSON manifest; the optimizer state is
-stored per model parameter, so it reshards over data-parallel size (and, from the manifest's per-param TP record,
-over tensor-parallel size) and loads on other releases. A refusal
+stored per model parameter, so it reshards over data-parallel size (and, from the per-param TP record and the
+per-stage layer record beside the manifest, over tensor- or pipeline-parallel size) and loads on other releases. A refusal
 (:class:`CheckpointError` and its subclasses) happens before anything is written into the model or optimizer.
 """
 

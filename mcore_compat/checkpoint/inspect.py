@@ -14,12 +14,35 @@ __all__ = ["inspect_checkpoint", "render"]
 
 #: Who can load which part of a checkpoint of this format (the format is the same on every release).
 LOADABLE = {
-    "weights": "every release 0.4-0.19 whose model has the same parameter names and shapes, at the same PP, EP and "
+    "weights": "every release 0.4-0.19 whose model has the same parameter names and shapes, at the same EP and "
                "virtual-stage layout (any data-parallel size; another TP size when the manifest records the "
-               "params' TP splits and the model has no experts)",
+               "params' TP splits and the model has no experts; another PP size, without virtual stages, at EP=1, "
+               "when it records each stage's layer numbers; TP or PP changed, not both at once)",
     "optimizer": "the same, into a distributed or non-distributed optimizer of any data-parallel size (main params, "
                  "both Adam moments and step reassembled per parameter)",
 }
+
+
+def _reshard(manifest: Manifest) -> dict[str, str]:
+    """Per dimension, whether this checkpoint loads at another size (and why not)."""
+    lay = manifest.layout
+    again = "load it at the saved size and save it again with this mcore_compat"
+    if manifest.tensor_parallel is None:
+        tp = f"no: written without the TP record ({again})"
+    else:
+        tp = "yes, into a model without experts"
+    if lay["vpp"] != 1 or lay["ep"] != 1:
+        pp = f"no: saved with virtual stages or expert parallelism (VPP={lay['vpp']}, EP={lay['ep']})"
+    elif manifest.pipeline is None:
+        pp = f"no: written without the pipeline record ({again})"
+    else:
+        stages = [sorted(c.get("layers", {}).values()) for s in sorted(manifest.pipeline)
+                  for c in manifest.pipeline[s]]
+        spans = ", ".join(f"{n[0]}-{n[-1]}" if n else "none" for n in stages)
+        pp = f"yes, into a model without experts or virtual stages (layers per saved stage: {spans})"
+    return {"dp": "yes (distributed optimizer on or off)", "tp": tp, "pp": pp,
+            "ep": "no (export full weights with mcore_compat.gather_full)",
+            "vpp": "no (export full weights with mcore_compat.gather_full)"}
 
 
 def _describe(value: Any) -> dict[str, Any]:
@@ -30,7 +53,8 @@ def _describe(value: Any) -> dict[str, Any]:
 
 def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The manifest, and of the first shard: each chunk's tensors (name, shape, dtype), the optimizer's records
-    (param, range, state names) and what else it holds; who can load what.
+    (param, range, state names) and what else it holds; who can load what, and at which other sizes (``reshard``:
+    per dimension, yes or why not).
 
     Raises:
         CheckpointFormatError, CheckpointInProgressError: as :func:`~.load.load_checkpoint`.
@@ -51,6 +75,7 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         "written_by": {"mcore_compat": manifest.mcore_compat, "megatron_core": manifest.megatron_core,
                        "torch": manifest.torch},
         "loadable": LOADABLE if manifest.format == FORMAT else {},
+        "reshard": _reshard(manifest),
     }
 
 
@@ -79,4 +104,6 @@ def render(info: dict[str, Any]) -> str:
             lines.append(f"      {r['key']:60s} {rng} of {r['numel']}  state {','.join(r['state']) or '-'}")
     lines.append("  loadable")
     lines.extend(f"    {part:10s} {text}" for part, text in info["loadable"].items())
+    lines.append("  at another size")
+    lines.extend(f"    {dim.upper():10s} {text}" for dim, text in info.get("reshard", {}).items())
     return "\n".join(lines)

@@ -6,8 +6,10 @@ optimizer as they were. Resharding: the optimizer's records are keyed by model p
 (:mod:`.state`), so they are reassembled per parameter and cut to this rank's range: a checkpoint loads at
 another data-parallel size and with or without the distributed optimizer, exactly; at another TP size the saved TP
 shards of each parameter (weights, main params, moments) are joined and cut to this rank's piece as the manifest's
-per-param record says (:mod:`.tp`), exactly; another PP / EP / virtual-stage layout is refused before anything is
-read into the model.
+per-param record says (:mod:`.tp`), exactly; at another PP size (no virtual stages, EP=1) each rank reads every
+saved stage of its TP rank and takes its own layers' values by Megatron's layer numbers, recorded per stage at save
+(:mod:`.pp`), exactly; another EP / virtual-stage layout, or TP and PP changed together, is refused before anything
+is read into the model.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .errors import (
     CheckpointReshardError,
 )
 from .manifest import FORMAT, Manifest, ShardFile, read_manifest
+from .pp import restage
 from .save import _gather
 from .state import leaves, main_params, named_params, param_key, restore_rng
 from .tp import Split, reshard, same_copies, splits
@@ -69,6 +72,8 @@ class _Plan:
     rng: dict[str, Any] | None = None
     undo: list[Callable[[], None]] = field(default_factory=list)
     result: LoadedCheckpoint | None = None
+    saved: set[str] = field(default_factory=set)  # at a PP change: the ids the checkpoint holds (:mod:`.pp`)
+    used: set[str] = field(default_factory=set)  # and those this rank loads
 
     def apply(self) -> None:
         with torch.no_grad():
@@ -98,23 +103,32 @@ def _read_shard(root: Path, shard: ShardFile) -> dict[str, Any]:
 
 
 def _check_layout(root: Path, manifest: Manifest, where: Coords) -> None:
-    """Refuse a PP / EP / virtual-stage change, and a TP change this checkpoint cannot make (see :mod:`.tp`)."""
+    """Refuse an EP / virtual-stage change, TP and PP changed together, and a TP or PP change this checkpoint
+    cannot make (see :mod:`.tp`, :mod:`.pp`)."""
     mine = where.layout()
     differ = [f"{label} {manifest.layout[k]} -> {mine[k]}" for k, label in _FIXED_DIMS if manifest.layout[k] != mine[k]]
-    tp_only = len(differ) == 1 and differ[0].startswith("TP")
-    if tp_only and manifest.tensor_parallel is None:
+    changed = [d.split()[0] for d in differ]
+    if changed == ["TP"] and manifest.tensor_parallel is None:
         raise CheckpointReshardError(
             f"{root} was saved at {manifest.layout_text()}; this job differs in {differ[0]}, and the mcore_compat "
             f"that wrote it ({manifest.mcore_compat}) did not record how each param is split over TP, which a TP "
             f"change of the {FORMAT} format needs: load it at TP={manifest.layout['tp']}, save it again with this "
             f"mcore_compat, then load that at TP={mine['tp']}")
-    if differ and not tp_only:
-        keep_tp = "" if manifest.tensor_parallel is not None else f"TP={manifest.layout['tp']} "
+    flat = manifest.layout["vpp"] == mine["vpp"] == 1 and manifest.layout["ep"] == mine["ep"] == 1
+    if changed == ["PP"] and flat and manifest.pipeline is None:
+        raise CheckpointReshardError(
+            f"{root} was saved at {manifest.layout_text()}; this job differs in {differ[0]}, and the mcore_compat "
+            f"that wrote it ({manifest.mcore_compat}) did not record each stage's layer numbers, which a PP change "
+            f"of the {FORMAT} format needs: load it at PP={manifest.layout['pp']}, save it again with this "
+            f"mcore_compat, then load that at PP={mine['pp']}")
+    if differ and changed != ["TP"] and not (changed == ["PP"] and flat):
+        lay = manifest.layout
         raise CheckpointReshardError(
             f"{root} was saved at {manifest.layout_text()}; this job differs in {', '.join(differ)}. The {FORMAT} "
-            f"format reshards over tensor- and data-parallel size (and distributed optimizer on/off) only: resume "
-            f"with {keep_tp}PP={manifest.layout['pp']} EP={manifest.layout['ep']} VPP={manifest.layout['vpp']}, or "
-            f"export full weights for another layout with mcore_compat.gather_full")
+            f"format reshards over data-parallel size, distributed optimizer on/off, and TP or PP size, one of them "
+            f"per load (PP without virtual stages or expert parallelism): resume at TP={lay['tp']} PP={lay['pp']} "
+            f"EP={lay['ep']} VPP={lay['vpp']} (then change TP or PP alone), or export full weights for another "
+            f"layout with mcore_compat.gather_full")
 
 
 @dataclass(frozen=True)
@@ -312,29 +326,56 @@ def _model_files(root: Path, manifest: Manifest, where: Coords, tp: _TpChange | 
     return files
 
 
+def _pp_source(root: Path, manifest: Manifest, chunks: list[Any], where: Coords) \
+        -> tuple[list[ShardFile], ShardFile]:
+    """At a PP change: the files to read (every stage's, every DP rank's, of this rank's TP rank) and the one whose
+    scheduler, param-group settings, iteration and extra this rank takes (its own stage's, or the last saved
+    stage's when this rank's is beyond it; its own DP rank's where there is one). Refuses expert params."""
+    experts = sorted(n for p, n in named_params(chunks).items() if is_expert(p))
+    saved_pp = manifest.layout["pp"]
+    if experts:
+        raise CheckpointReshardError(f"{experts[0]}: an expert param (allreduce=False); models with experts are not "
+                                     f"resharded over PP {saved_pp} -> {where.pp_size}: resume at PP={saved_pp} (or "
+                                     "export full weights with mcore_compat.gather_full)")
+    files = [f for f in manifest.files if f.coords["tp"] == where.tp and f.coords["ep"] == where.ep]
+    stage = min(where.pp, saved_pp - 1)
+    candidates = sorted((f for f in files if f.coords["pp"] == stage), key=lambda f: f.coords["dp"] != where.dp)
+    if not candidates or {f.coords["pp"] for f in files} != set(range(saved_pp)):
+        raise CheckpointFormatError(f"{root} has no shard of TP rank {where.tp} for each of its {saved_pp} PP stages")
+    return files, candidates[0]
+
+
+def _plan_pp(plan: _Plan, root: Path, manifest: Manifest, chunks: list[Any], optimizer: Any, strict: bool,
+             where: Coords) -> tuple[ShardFile, dict[str, Any]]:
+    """Plan a load at another pipeline size (:mod:`.pp`): the model and optimizer values of this rank's layers
+    and stage-specific tensors, from whichever saved stage holds them. Returns the source file and its shard."""
+    files, source_file = _pp_source(root, manifest, chunks, where)
+    shards = {f.name: _read_shard(root, f) for f in files}
+    saved_pp = manifest.layout["pp"]
+    hint = f"resume at PP={saved_pp} (or export full weights with mcore_compat.gather_full)"
+    staged = restage(list(shards.values()), manifest.pipeline or {}, saved_pp, chunks, where.tp, _assemble, hint)
+    models = [[staged.model]]
+    _model_copies(plan, chunks, models, strict, f"{root} (saved at PP={saved_pp})", None)
+    source = shards[source_file.name]
+    with_optimizer = optimizer is not None and source["optimizer"] is not None
+    if with_optimizer:
+        _optimizer_plan(plan, chunks, optimizer, staged.shards, source, where, strict, None, models)
+    plan.saved = {k for k in staged.saved if with_optimizer or not k.startswith("opt:")}
+    plan.used = staged.used
+    return source_file, source
+
+
 def _plan(root: Path, chunks: list[Any], optimizer: Any, scheduler: Any, strict: bool, where: Coords) -> _Plan:
     manifest = read_manifest(root)
     _check_layout(root, manifest, where)
-    tp = _tp_change(root, manifest, chunks, where)
-    model_files = _model_files(root, manifest, where, tp)
-    source_file = model_files[0]
-    own = source_file if source_file.coords == where.as_dict() and manifest.layout == where.layout() else None
-    wanted = list(model_files)
-    if optimizer is not None:
-        wanted += [f for f in manifest.files if f.coords["pp"] == where.pp and f not in wanted
-                   and (tp is not None or f.coords["tp"] == where.tp)]
-    shards = {f.name: _read_shard(root, f) for f in wanted}
-    source = shards[source_file.name]
-    models = [shards[f.name]["model"] for f in model_files]
     plan = _Plan()
-    _model_copies(plan, chunks, models, strict, source_file.name, tp)
-    if optimizer is not None:
-        if source["optimizer"] is None:
-            if strict:
-                raise CheckpointMismatchError(f"{root} holds no optimizer state (saved without an optimizer): load "
-                                              "the weights with load_checkpoint(path, chunks)")
-        else:
-            _optimizer_plan(plan, chunks, optimizer, list(shards.values()), source, where, strict, tp, models)
+    if manifest.layout["pp"] != where.pp_size:
+        source_file, source = _plan_pp(plan, root, manifest, chunks, optimizer, strict, where)
+    else:
+        source_file, source = _plan_same_pp(plan, root, manifest, chunks, optimizer, strict, where)
+    if optimizer is not None and source["optimizer"] is None and strict:
+        raise CheckpointMismatchError(f"{root} holds no optimizer state (saved without an optimizer): load "
+                                      "the weights with load_checkpoint(path, chunks)")
     if scheduler is not None:
         if source["scheduler"] is None:
             if strict:
@@ -347,19 +388,41 @@ def _plan(root: Path, chunks: list[Any], optimizer: Any, scheduler: Any, strict:
                 scheduler.load_state_dict(before)
                 raise CheckpointMismatchError(f"the scheduler refused the checkpoint's state: {exc}") from None
             plan.undo.append(lambda: scheduler.load_state_dict(before))
-    plan.rng = source["rng"] if own is not None else None
+    own = source_file.coords == where.as_dict() and manifest.layout == where.layout()
+    plan.rng = source["rng"] if own else None
     plan.result = LoadedCheckpoint(iteration=source["iteration"], extra=source["extra"], manifest=manifest,
-                                   rng_restored=own is not None,
+                                   rng_restored=own,
                                    optimizer_loaded=optimizer is not None and source["optimizer"] is not None)
     return plan
 
 
-def _agree(report: tuple[str, str, int] | None) -> None:
+def _plan_same_pp(plan: _Plan, root: Path, manifest: Manifest, chunks: list[Any], optimizer: Any, strict: bool,
+                  where: Coords) -> tuple[ShardFile, dict[str, Any]]:
+    """Plan a load at the saved pipeline size (any DP size; another TP size, :mod:`.tp`). Returns the source file
+    and its shard."""
+    tp = _tp_change(root, manifest, chunks, where)
+    model_files = _model_files(root, manifest, where, tp)
+    source_file = model_files[0]
+    wanted = list(model_files)
+    if optimizer is not None:
+        wanted += [f for f in manifest.files if f.coords["pp"] == where.pp and f not in wanted
+                   and (tp is not None or f.coords["tp"] == where.tp)]
+    shards = {f.name: _read_shard(root, f) for f in wanted}
+    source = shards[source_file.name]
+    models = [shards[f.name]["model"] for f in model_files]
+    _model_copies(plan, chunks, models, strict, source_file.name, tp)
+    if optimizer is not None and source["optimizer"] is not None:
+        _optimizer_plan(plan, chunks, optimizer, list(shards.values()), source, where, strict, tp, models)
+    return source_file, source
+
+
+def _agree(report: tuple[str, str, int] | None, used: set[str] | None = None) -> list[set[str]]:
     """Every rank's outcome of planning; raise the first refusal of another rank (this rank's own failure is
-    re-raised by the caller)."""
-    refused = [r for r in _gather(report) if r is not None]
+    re-raised by the caller). Returns every rank's ``used`` ids (a PP change, :mod:`.pp`)."""
+    gathered = _gather((report, used))
+    refused = [r for r, _ in gathered if r is not None]
     if report is not None or not refused:
-        return
+        return [u for _, u in gathered if u is not None]
     name, message, rank = refused[0]
     text = f"refused on rank {rank}: {message}"
     if name == "CheckpointFormatError":
@@ -371,6 +434,16 @@ def _agree(report: tuple[str, str, int] | None) -> None:
     if name == "CheckpointReshardError":
         raise CheckpointReshardError(text)
     raise CheckpointError(f"{text} ({name})")
+
+
+def _unplaced(plan: _Plan, used: list[set[str]]) -> None:
+    """At a PP change with ``strict``: refuse (on every rank alike) when a saved tensor is loaded by no rank."""
+    left = sorted(plan.saved - set().union(*used))
+    if left:
+        raise CheckpointMismatchError(
+            f"the checkpoint holds {len(left)} tensor(s) that no rank of this model loads: {left[:5]}"
+            f"{' ...' if len(left) > 5 else ''} (by layer number / name; another model configuration? strict=False "
+            "loads what both have)")
 
 
 def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = None, *, scheduler: Any = None,
@@ -391,16 +464,18 @@ def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
 
     Returns:
         A :class:`LoadedCheckpoint` (iteration, this rank's extra, manifest, whether RNG states were restored: not
-        after a TP or DP change).
+        after a TP, PP or DP change).
 
     Raises:
         CheckpointFormatError: not a (complete) checkpoint of this format: no manifest, a shard missing or
             truncated.
         CheckpointInProgressError: another process is writing it (or died doing so).
-        CheckpointMismatchError: it does not fit the model / optimizer / scheduler.
-        CheckpointReshardError: saved at another PP, EP or virtual-stage layout, or at another TP size that this
-            checkpoint or model cannot be resharded to (no per-param TP record, experts, shapes that do not tile,
-            e.g. another vocabulary padding).
+        CheckpointMismatchError: it does not fit the model / optimizer / scheduler (at a PP change also: another
+            layer count or tied-embedding setting, a saved tensor no rank takes with ``strict``).
+        CheckpointReshardError: saved at another EP or virtual-stage layout, at another TP and PP size at once,
+            or at another TP or PP size that this checkpoint or model cannot be resharded to (no per-param TP /
+            per-stage layer record, experts, shapes that do not tile, e.g. another vocabulary padding, tied
+            embedding copies that differ between the saved stages).
     """
     chunk_list = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     where = coords(len(chunk_list))
@@ -410,7 +485,9 @@ def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
         _agree((type(exc).__name__, str(exc), where.rank))
         raise
     try:
-        _agree(None)
+        used = _agree(None, plan.used)
+        if strict and plan.saved:
+            _unplaced(plan, used)
     except CheckpointError:
         for undo in plan.undo:
             undo()

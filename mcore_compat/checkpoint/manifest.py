@@ -6,7 +6,10 @@ virtual stages), whether it holds optimizer and scheduler state, and every shard
 Beside it, :data:`TP_RECORD` (absent from checkpoints written before TP resharding; a file of its own, so that an
 mcore_compat that predates it still reads the manifest) says per pipeline stage how each parameter is split over
 TP: ``{"pp<rank>": {"<chunk>.<param name>": [partition dim, stride]}}``, dim ``-1`` when duplicated (:mod:`.tp`);
-:func:`read_manifest` puts it in :attr:`Manifest.tensor_parallel`.
+:func:`read_manifest` puts it in :attr:`Manifest.tensor_parallel`. Likewise :data:`PP_RECORD` (absent before PP
+resharding) says per pipeline stage where each transformer layer sits and which weight is the tied embedding:
+``{"pp<rank>": [{"layers": {module name: global layer_number}, "tied": name, "share": bool, "num_layers": int}]}``
+(one entry per chunk, :mod:`.pp`), in :attr:`Manifest.pipeline`.
 The marker (``.mcore_compat_writing``) is created before anything else is written and removed after the
 manifest: a directory with the marker is being written (or its writer died), one without a manifest is no
 checkpoint of ours.
@@ -32,6 +35,7 @@ FORMAT_VERSION = 1
 MANIFEST = "mcore_compat_checkpoint.json"
 MARKER = ".mcore_compat_writing"
 TP_RECORD = "mcore_compat_tensor_parallel.json"
+PP_RECORD = "mcore_compat_pipeline.json"
 
 
 def shard_name(rank: int) -> str:
@@ -65,6 +69,7 @@ class Manifest:
     files: list[ShardFile] = field(default_factory=list)
     optimizer_format: str = "per-param"
     tensor_parallel: dict[str, dict[str, list[int]]] | None = None
+    pipeline: dict[str, list[dict[str, Any]]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,6 +126,9 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
         record = root / TP_RECORD
         if record.is_file():
             data["tensor_parallel"] = json.loads(record.read_text(encoding="utf-8"))
+        stages = root / PP_RECORD
+        if stages.is_file():
+            data["pipeline"] = json.loads(stages.read_text(encoding="utf-8"))
         found = Manifest(**data)
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise CheckpointFormatError(f"unreadable {MANIFEST} in {root}: {exc}") from None
@@ -143,7 +151,8 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
 
 def manifest_dict(**kwargs: Any) -> dict[str, Any]:
     """A manifest's JSON dict from :class:`Manifest`'s fields (``files`` as :class:`ShardFile`), without
-    ``tensor_parallel`` (written to :data:`TP_RECORD`)."""
+    ``tensor_parallel`` and ``pipeline`` (written to :data:`TP_RECORD` and :data:`PP_RECORD`)."""
     data = Manifest(**kwargs).to_json()
     data.pop("tensor_parallel", None)
+    data.pop("pipeline", None)
     return data

@@ -24,12 +24,14 @@ from .manifest import (
     FORMAT_VERSION,
     MANIFEST,
     MARKER,
+    PP_RECORD,
     TP_RECORD,
     ShardFile,
     manifest_dict,
     shard_name,
     write_json,
 )
+from .pp import stage_record
 from .state import capture_rng, check_plain, model_state, optimizer_state
 from .tp import split_record
 
@@ -93,6 +95,17 @@ def _tensor_parallel(entries: list[dict[str, Any]]) -> dict[str, dict[str, list[
     return out
 
 
+def _pipeline(entries: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The pipeline record (:data:`~.manifest.PP_RECORD`): per stage (``"pp<rank>"``), where its layers sit
+    (:func:`.pp.stage_record`, sent by the stage's first TP / DP / EP rank); taken out of ``entries``."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for e in entries:
+        stage = e.pop("stage")
+        if stage is not None:
+            out[f"pp{e['coords']['pp']}"] = stage
+    return out
+
+
 def _without_crc32() -> contextlib.AbstractContextManager[Any]:
     """``torch.save`` without the zip entries' CRC32 while the shard is written, where torch has the switch
     (``torch.utils.serialization.config.save.compute_crc32``, torch 2.6+; older torch: unchanged).
@@ -129,7 +142,8 @@ def save_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
     The format (``mcore_compat.torch``, :mod:`.manifest`) is the same on every release 0.4 ... 0.19: per-rank
     torch files of plain tensors, the optimizer's main params and moments stored per model parameter and
     flattened range, so that a load reshards them over data-parallel size and reads them on another release; the
-    manifest records each parameter's split over TP (:mod:`.tp`), so that a load reshards over TP size too.
+    manifest records each parameter's split over TP (:mod:`.tp`) and each stage's transformer layer numbers
+    (:mod:`.pp`), so that a load reshards over TP or PP size too.
 
     Args:
         path: the checkpoint directory (on a filesystem every rank sees).
@@ -167,7 +181,8 @@ def save_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
         os.replace(tmp, file)
         first = where.tp == where.dp == where.ep == 0  # one rank per pipeline stage sends its record
         entry = {"name": file.name, "bytes": file.stat().st_size, "coords": where.as_dict(),
-                 "splits": split_record(chunk_list) if first else {}}
+                 "splits": split_record(chunk_list) if first else {},
+                 "stage": stage_record(chunk_list) if first else None}
     except Exception as exc:  # every rank must learn of it, or the others would wait forever
         entry = f"rank {where.rank}: {type(exc).__name__}: {exc}"
     entries = _gather(entry)
@@ -176,6 +191,7 @@ def save_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
         raise CheckpointError(f"saving {root} failed on {len(failed)} rank(s): {failed[0]}")
     if where.rank == 0:
         write_json(root / TP_RECORD, _tensor_parallel([e for e in entries if isinstance(e, dict)]))
+        write_json(root / PP_RECORD, _pipeline([e for e in entries if isinstance(e, dict)]))
         write_json(root / MANIFEST, manifest_dict(
             format=FORMAT, format_version=FORMAT_VERSION, mcore_compat=__version__, megatron_core=_version(),
             torch=torch.__version__, layout=where.layout(), distributed_optimizer=_distributed_optimizer(chunk_list),
