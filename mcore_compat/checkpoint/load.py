@@ -30,6 +30,7 @@ from .errors import (
     CheckpointReshardError,
 )
 from .manifest import FORMAT, Manifest, ShardFile, read_manifest
+from .megatron_files import is_megatron_checkpoint
 from .save import _gather
 from .state import leaves, main_params, named_params, param_key, restore_rng
 from .tp import Split, reshard, same_copies, splits
@@ -46,14 +47,15 @@ class LoadedCheckpoint:
     Attributes:
         iteration: the iteration given to ``save_checkpoint`` (``None`` if none was).
         extra: this rank's ``extra`` (the saving rank at the same place in the layout).
-        manifest: the checkpoint's manifest (versions, layout, files).
+        manifest: the checkpoint's manifest (versions, layout, files); ``None`` for a Megatron dist_checkpointing
+            directory (:class:`~.megatron.LoadedMegatronCheckpoint`).
         rng_restored: the RNG states were restored (same layout as at save; after a reshard they are not).
         optimizer_loaded: the optimizer's state was loaded.
     """
 
     iteration: int | None
     extra: dict[str, Any] | None
-    manifest: Manifest
+    manifest: Manifest | None
     rng_restored: bool
     optimizer_loaded: bool
 
@@ -404,6 +406,10 @@ def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
     """
     chunk_list = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     where = coords(len(chunk_list))
+    if is_megatron_checkpoint(Path(path)):  # written by Megatron-LM: its weights through Megatron's own load
+        from .megatron import load_megatron
+
+        return load_megatron(Path(path), chunk_list, optimizer, scheduler, strict, where)
     try:
         plan = _plan(Path(path), chunk_list, optimizer, scheduler, strict, where)
     except Exception as exc:
