@@ -151,8 +151,9 @@ def case_load(name: str, tp: int) -> dict[str, Any]:
 
 
 def case_bad_input() -> dict[str, Any]:
-    """Refused with one line and nothing loaded: a truncated metadata.json, a model of other shapes (another
-    vocabulary size), the optimizer asked for (Megatron's optimizer format), a zarr-backend directory."""
+    """Refused with one line and nothing loaded: a truncated metadata.json, a zarr-backend directory, a missing
+    shard file (Megatron's load itself fails), the optimizer asked for (Megatron's optimizer format), a model of
+    other shapes (another vocabulary size)."""
     import shutil
 
     import torch.distributed as dist
@@ -162,11 +163,15 @@ def case_bad_input() -> dict[str, Any]:
     out: dict[str, Any] = {"status": "ok"}
     rank = dist.get_rank()
 
-    def variant(tag: str, text: str) -> Path:
+    def variant(tag: str, text: str | None) -> Path:
+        """A copy of fixture tp1 with ``text`` as its metadata.json (``None``: without a shard file instead)."""
         path = Path(BASE._shared_dir(f"megatron-{tag}"))
         if rank == 0:
             shutil.copytree(DATA / "tp1", path)
-            (path / "metadata.json").write_text(text)
+            if text is None:
+                (path / "__0_1.distcp").unlink()
+            else:
+                (path / "metadata.json").write_text(text)
         dist.barrier()
         return path
 
@@ -176,6 +181,8 @@ def case_bad_input() -> dict[str, Any]:
     out["truncated"], out["truncated_unchanged"] = _refusal(truncated, run)
     zarr = variant("zarr", '{"sharded_backend": "zarr", "sharded_backend_version": 1}')
     out["zarr"], out["zarr_unchanged"] = _refusal(zarr, run)
+    # Megatron's own load fails on reading: it read into fresh tensors, so the model is unchanged
+    out["missing_shard"], out["missing_shard_unchanged"] = _refusal(variant("missing", None), run)
     out["optimizer"], out["optimizer_unchanged"] = _refusal(DATA / "tp1", run, optimizer=True)
     run.release()
     vocab, models.VOCAB = models.VOCAB, models.VOCAB + 2

@@ -209,6 +209,17 @@ def _drop(node: Any, classes: tuple[type, ...], keep: set[str]) -> Any:
     return node
 
 
+def _first_line(exc: BaseException) -> str:
+    """``"<type>: <first line>"`` of ``exc``, or of the first rank's failure a torch-DCP ``CheckpointException``
+    wraps (its ``failures``: rank -> wrapped exception)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        wrapped = next(iter(failures.values()))
+        exc = getattr(wrapped, "exc", wrapped) if isinstance(getattr(wrapped, "exc", wrapped), BaseException) else exc
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"
+
+
 def _run(fn: Any, where: Coords) -> Any:
     """``fn()`` on every rank, then every rank's outcome agreed (a refusal anywhere is raised everywhere)."""
     try:
@@ -216,9 +227,10 @@ def _run(fn: Any, where: Coords) -> Any:
     except CheckpointError as exc:
         _agree((type(exc).__name__, str(exc), where.rank))
         raise
-    except Exception as exc:  # Megatron's own load failing on this rank: one line, as a format error
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        text = f"Megatron's dist_checkpointing.load failed: {type(exc).__name__}: {first}"
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # Megatron's own load failing (torch's CheckpointException is a BaseException)
+        text = f"Megatron's dist_checkpointing.load failed: {_first_line(exc)}"
         _agree(("CheckpointFormatError", text, where.rank))
         raise CheckpointFormatError(text) from None
     _agree(None)

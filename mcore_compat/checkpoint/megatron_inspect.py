@@ -17,7 +17,7 @@ FORMAT_NAME = "megatron dist_checkpointing"
 
 #: What mcore_compat loads of such a directory (the releases: docs/checkpoints.md).
 LOADABLE = {
-    "weights": "load_checkpoint(path, chunks) on 0.8-0.19 (0.8-0.12 with psutil installed): through Megatron's own "
+    "weights": "load_checkpoint(path, chunks) on 0.6-0.19 (0.6-0.12 with psutil installed): through Megatron's own "
                "dist_checkpointing.load with the chunks' sharded_state_dict(), so at any TP / PP / DP layout "
                "Megatron reshards; the tensors must have the same keys, global shapes and dtypes",
     "optimizer": "not loaded (Megatron's optimizer formats drop or reset state on some releases): refused before "
