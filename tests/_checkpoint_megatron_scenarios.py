@@ -21,7 +21,7 @@ import _checkpoint_scenarios as BASE
 from _training_scenarios import apply_patches
 
 DATA = Path(__file__).parent / "data" / "megatron_checkpoints"
-FIXTURES = ("tp1", "tp2")
+FIXTURES = ("tp1", "tp2", "pp2-vpp2")
 ITERATION = 7
 
 
@@ -29,11 +29,21 @@ def _opts(tp: int, **over: Any) -> Any:
     return BASE._tp_opts(tp, **over)
 
 
+def _fixture_opts(name: str, **over: Any) -> Any:
+    """The GPT of fixture ``name``: TP=1 x DP=2, TP=2, or PP=2 with 2 virtual stages (chunks) per rank."""
+    if name == "pp2-vpp2":
+        return BASE._opts("tp2-sp-bf16", tp=1, dp=1, pp=2, vpp=2, dtype="fp32", dropout=0.0, bias=True,
+                          sequence_parallel=False, distributed_optimizer=False, **over)
+    return _opts(2 if name == "tp2" else 1, **over)
+
+
 def _local(run: Any) -> dict[str, Any]:
-    """This rank's model tensors (``state_dict``), detached copies."""
+    """This rank's model tensors (each chunk's ``state_dict``; keys ``<chunk>.<name>`` past the first chunk),
+    detached copies."""
     from mcore_compat.layout.read import unwrap
 
-    return {k: v.detach().clone() for k, v in unwrap(run.chunks[0]).state_dict().items() if hasattr(v, "detach")}
+    return {(k if i == 0 else f"{i}.{k}"): v.detach().clone() for i, c in enumerate(run.chunks)
+            for k, v in unwrap(c).state_dict().items() if hasattr(v, "detach")}
 
 
 def _attrs(run: Any) -> dict[str, list[int]]:
@@ -58,13 +68,21 @@ def write_fixtures(root: str) -> str:
 
     apply_patches()
     for name in FIXTURES:
-        tp = 2 if name == "tp2" else 1
+        opts = _fixture_opts(name)
+        tp = opts.tp
         path = os.path.join(root, name)
-        run = BASE.Run(_opts(tp), scheduler=name == "tp1")
+        run = BASE.Run(opts, scheduler=name == "tp1")
         run.step()
-        model = unwrap(run.chunks[0]).sharded_state_dict()
-        state: dict[str, Any] = {"model": model, "iteration": ITERATION, "checkpoint_version": 3.0,
+        ps = parallel_state()
+        state: dict[str, Any] = {"iteration": ITERATION, "checkpoint_version": 3.0,
                                  "args": argparse.Namespace(tensor_model_parallel_size=tp, iteration=ITERATION)}
+        for i, chunk in enumerate(run.chunks):  # as Megatron-LM: model, or model0, model1 with virtual stages
+            if len(run.chunks) > 1:
+                ps.set_virtual_pipeline_model_parallel_rank(i)
+            state["model" if len(run.chunks) == 1 else f"model{i}"] = unwrap(chunk).sharded_state_dict()
+        if len(run.chunks) > 1:
+            ps.set_virtual_pipeline_model_parallel_rank(0)
+        model = state.get("model")
         if name == "tp1":  # Megatron-LM's default format on 0.15+ (optimizer/distrib_optimizer.py)
             state["optimizer"] = run.optimizer.sharded_state_dict(
                 model, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
@@ -73,13 +91,13 @@ def write_fixtures(root: str) -> str:
             os.makedirs(path, exist_ok=True)
         dist.barrier()
         dist_checkpointing.save(state, path)
-        ps = parallel_state()
         refs: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(refs, {"tp": ps.get_tensor_model_parallel_rank(), "values": _local(run),
-                                      "attrs": _attrs(run)})
+                                      "attrs": _attrs(run), "pp": ps.get_pipeline_model_parallel_rank()})
         if dist.get_rank() == 0:
             by_tp = {r["tp"]: r for r in refs}
             torch.save({"tp": tp, "values": [by_tp[t]["values"] for t in range(tp)], "attrs": by_tp[0]["attrs"],
+                        "by_pp": {r["pp"]: r["values"] for r in refs} if opts.pp > 1 else None,
                         "scheduler": state.get("opt_param_scheduler")}, os.path.join(path, "reference.pt"))
         dist.barrier()
         run.release()
@@ -96,6 +114,10 @@ def _reference(name: str, tp: int, tp_rank: int) -> dict[str, Any]:
     import torch
 
     ref = torch.load(DATA / name / "reference.pt", weights_only=True)
+    if name == "pp2-vpp2":  # loaded at its own layout: this pipeline rank's chunks as saved
+        from mcore_compat.training._common import parallel_state
+
+        return dict(ref["by_pp"][parallel_state().get_pipeline_model_parallel_rank()])
     out: dict[str, Any] = {}
     for key, first in ref["values"][0].items():
         dim, stride = ref["attrs"].get(key, [-1, 1])
@@ -132,7 +154,8 @@ def case_load(name: str, tp: int) -> dict[str, Any]:
     import mcore_compat as mc
     from mcore_compat.training._common import parallel_state
 
-    run = BASE.Run(_opts(tp, seed=99), scheduler=name == "tp1")
+    run = BASE.Run(_fixture_opts(name, seed=99) if name == "pp2-vpp2" else _opts(tp, seed=99),
+                   scheduler=name == "tp1")
     tp_rank = parallel_state().get_tensor_model_parallel_rank()
     ref = _reference(name, tp, tp_rank)
     differs_before = len(_diff(_local(run), ref))
@@ -204,7 +227,7 @@ def unsupported() -> str | None:
 def cases() -> dict[str, Any]:
     return {"tp1->tp1": lambda: case_load("tp1", 1), "tp2->tp1": lambda: case_load("tp2", 1),
             "tp1->tp2": lambda: case_load("tp1", 2), "tp2->tp2": lambda: case_load("tp2", 2),
-            "bad-input": case_bad_input}
+            "pp2-vpp2->pp2-vpp2": lambda: case_load("pp2-vpp2", 1), "bad-input": case_bad_input}
 
 
 CASE_NAMES = list(cases())
@@ -225,7 +248,12 @@ def run_all() -> dict[str, Any]:
     why = unsupported()
     results: dict[str, Any] = {}
     for name, fn in cases().items():
-        results[name] = {"status": "unsupported", "reason": why} if why else run_case(fn)
+        reason = why
+        if reason is None and name.startswith("pp2-vpp2"):  # 0.6/0.7: virtual stages need PP > 2
+            from mcore_compat.selfcheck.models import unsupported_reason
+
+            reason = unsupported_reason(_fixture_opts("pp2-vpp2"))
+        results[name] = {"status": "unsupported", "reason": reason} if reason else run_case(fn)
     if why is None:
         parallel_state().destroy_model_parallel()
         root = os.path.dirname(BASE._shared_dir("done"))

@@ -14,7 +14,9 @@ see docs/checkpoints.md) and the ``zarr`` backend; the RNG states are not restor
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +75,25 @@ def model_keys(n_chunks: int) -> list[str]:
     """Megatron-LM's keys of the model chunks in its state dict: ``model``, or ``model0``, ``model1``, ... with
     virtual pipeline stages (``megatron/training/checkpointing.py``)."""
     return ["model"] if n_chunks == 1 else [f"model{i}" for i in range(n_chunks)]
+
+
+@contextlib.contextmanager
+def _virtual_stage(index: int, n_chunks: int) -> Iterator[None]:
+    """Chunk ``index``'s virtual pipeline rank set in ``parallel_state`` meanwhile, as Megatron-LM sets it around
+    each ``model[i].sharded_state_dict()`` (``megatron/training/checkpointing.py``; older releases' blocks read
+    their layer offset from it there)."""
+    if n_chunks == 1:
+        yield
+        return
+    from ..training._common import parallel_state
+
+    ps = parallel_state()
+    before = ps.get_virtual_pipeline_model_parallel_rank()
+    ps.set_virtual_pipeline_model_parallel_rank(index)
+    try:
+        yield
+    finally:
+        ps.set_virtual_pipeline_model_parallel_rank(before)
 
 
 def _fresh_requests(sharded: Any, classes: tuple[type, ...]) -> list[Any]:
@@ -189,9 +210,10 @@ def _plan_before_load(root: Path, chunks: list[Any], optimizer: Any, scheduler: 
     if factory is not None:
         classes += (factory,)
     request: dict[str, Any] = {}
-    for key, chunk in zip(model_keys(len(chunks)), chunks, strict=True):
+    for i, (key, chunk) in enumerate(zip(model_keys(len(chunks)), chunks, strict=True)):
         module: Any = unwrap(chunk)
-        request[key] = module.sharded_state_dict()
+        with _virtual_stage(i, len(chunks)):
+            request[key] = module.sharded_state_dict()
         tensors = _fresh_requests(request[key], classes)
         if not strict:
             keep = {sh.key for sh in tensors if sh.key in saved}
