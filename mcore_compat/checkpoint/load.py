@@ -380,6 +380,10 @@ def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
     """Load a checkpoint written by :func:`~.save.save_checkpoint` into the model chunks (and optimizer,
     scheduler), in place. Call it on every rank, after building the model and optimizer as for training.
 
+    A directory Megatron's ``dist_checkpointing`` wrote (``metadata.json``, no mcore_compat manifest; Megatron-LM's
+    checkpoints) loads its model weights through Megatron's own load, resharded by Megatron, and its scheduler;
+    the optimizer is refused (:mod:`.megatron`, docs/checkpoints.md).
+
     Args:
         path: the checkpoint directory.
         chunks: the DDP-wrapped model chunk, or the list of them.

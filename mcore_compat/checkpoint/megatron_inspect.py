@@ -53,7 +53,6 @@ def inspect_megatron(root: Path) -> dict[str, Any]:
     return {
         "path": str(root), "format": FORMAT_NAME, "metadata": metadata,
         "iteration": common.get("iteration"), "checkpoint_version": common.get("checkpoint_version"),
-        "model_keys": sorted(k for k in common if k == "model" or (k.startswith("model") and k[5:].isdigit())),
         "common": {str(k): _plain(v) for k, v in sorted(common.items(), key=lambda kv: str(kv[0]))},
         "model": model, "objects": objects,
         "optimizer": optimizer_format(common, tensors),
