@@ -34,6 +34,7 @@ from .megatron_files import (
     read_metadata,
     read_tensors,
     safe_globals,
+    scheduler_state,
 )
 
 __all__ = ["LoadedMegatronCheckpoint", "load_megatron", "model_keys", "unsupported_reason"]
@@ -45,7 +46,7 @@ class LoadedMegatronCheckpoint(LoadedCheckpoint):
 
     Attributes:
         checkpoint_version: Megatron-LM's ``checkpoint_version`` in ``common.pt`` (``None`` if absent).
-        scheduler_loaded: the scheduler was loaded from ``opt_param_scheduler``.
+        scheduler_loaded: the scheduler was loaded from ``opt_param_scheduler`` (or the older ``lr_scheduler``).
         metadata: ``metadata.json`` (backend and its version).
     """
 
@@ -200,7 +201,7 @@ def _plan_before_load(root: Path, chunks: list[Any], optimizer: Any, scheduler: 
         raise CheckpointError(
             f"{root} is a Megatron dist_checkpointing checkpoint; {what} mcore_compat does not load Megatron's "
             "optimizer formats (they drop or reset state on some releases): load weights only: optimizer=None")
-    if scheduler is not None and strict and not isinstance(common.get("opt_param_scheduler"), dict):
+    if scheduler is not None and strict and scheduler_state(common) is None:
         raise CheckpointMismatchError(f"{root} holds no opt_param_scheduler state (load with scheduler=None)")
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -242,8 +243,9 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
-def _run(fn: Any, where: Coords) -> Any:
-    """``fn()`` on every rank, then every rank's outcome agreed (a refusal anywhere is raised everywhere)."""
+def _run(fn: Any, where: Coords, what: str) -> Any:
+    """``fn()`` on every rank, then every rank's outcome agreed (a refusal anywhere is raised everywhere); ``what``
+    names the step in the refusal of an unexpected error."""
     try:
         out = fn()
     except CheckpointError as exc:
@@ -251,8 +253,8 @@ def _run(fn: Any, where: Coords) -> Any:
         raise
     except (KeyboardInterrupt, SystemExit):
         raise
-    except BaseException as exc:  # Megatron's own load failing (torch's CheckpointException is a BaseException)
-        text = f"Megatron's dist_checkpointing.load failed: {_first_line(exc)}"
+    except BaseException as exc:  # e.g. Megatron's own load failing (torch's CheckpointException is a BaseException)
+        text = f"{what} failed: {_first_line(exc)}"
         _agree(("CheckpointFormatError", text, where.rank))
         raise CheckpointFormatError(text) from None
     _agree(None)
@@ -263,16 +265,17 @@ def load_megatron(root: Path, chunks: list[Any], optimizer: Any, scheduler: Any,
                   where: Coords) -> LoadedMegatronCheckpoint:
     """Load the model weights (and scheduler, iteration) of Megatron dist_checkpointing directory ``root`` into
     ``chunks``; see :func:`~.load.load_checkpoint` (which calls it for such a directory) for the arguments."""
-    metadata, common, request = _run(lambda: _plan_before_load(root, chunks, optimizer, scheduler, strict), where)
+    metadata, common, request = _run(lambda: _plan_before_load(root, chunks, optimizer, scheduler, strict), where,
+                                     "planning the load of a Megatron checkpoint (the chunks' sharded_state_dict)")
     from megatron.core import dist_checkpointing
 
     def read() -> dict[str, Any]:
         with safe_globals():
             return dist_checkpointing.load(request, str(root))
 
-    loaded = _run(read, where)
-    plan = _run(lambda: _plan_copies(chunks, loaded, strict), where)
-    sched_state = common.get("opt_param_scheduler") if scheduler is not None else None
+    loaded = _run(read, where, "Megatron's dist_checkpointing.load")
+    plan = _run(lambda: _plan_copies(chunks, loaded, strict), where, "checking the loaded values")
+    sched_state = scheduler_state(common) if scheduler is not None else None
     before = scheduler.state_dict() if isinstance(sched_state, dict) else None
 
     def load_scheduler() -> None:
@@ -285,7 +288,7 @@ def load_megatron(root: Path, chunks: list[Any], optimizer: Any, scheduler: Any,
                                               f"{exc}") from None
 
     try:
-        _run(load_scheduler, where)
+        _run(load_scheduler, where, "loading the scheduler")
     except CheckpointError:
         if before is not None:
             scheduler.load_state_dict(before)

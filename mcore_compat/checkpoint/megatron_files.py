@@ -24,7 +24,7 @@ from .errors import CheckpointFormatError
 from .manifest import MANIFEST
 
 __all__ = ["COMMON", "METADATA", "TORCH_DIST", "is_megatron_checkpoint", "optimizer_format", "read_common",
-           "read_metadata", "read_tensors", "safe_globals"]
+           "read_metadata", "read_tensors", "safe_globals", "scheduler_state"]
 
 METADATA = "metadata.json"  # megatron/core/dist_checkpointing/core.py (CheckpointingConfig), every release
 COMMON = "common.pt"
@@ -126,6 +126,15 @@ def read_tensors(root: Path) -> dict[str, dict[str, Any]]:
         else:
             out[key] = {"object": True}
     return out
+
+
+def scheduler_state(common: dict[str, Any]) -> dict[str, Any] | None:
+    """The scheduler's state in ``common.pt``: ``opt_param_scheduler``, or ``lr_scheduler`` as older Megatron-LM
+    checkpoints name it (``megatron/training/checkpointing.py`` reads both); ``None`` if neither."""
+    for key in ("opt_param_scheduler", "lr_scheduler"):
+        if isinstance(common.get(key), dict):
+            return dict(common[key])
+    return None
 
 
 def optimizer_format(common: dict[str, Any], tensors: dict[str, dict[str, Any]]) -> str | None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .megatron_files import optimizer_format, read_common, read_metadata, read_tensors
+from .megatron_files import optimizer_format, read_common, read_metadata, read_tensors, scheduler_state
 
 __all__ = ["FORMAT_NAME", "LOADABLE", "inspect_megatron", "render_megatron"]
 
@@ -22,7 +22,7 @@ LOADABLE = {
                "Megatron reshards; the tensors must have the same keys, global shapes and dtypes",
     "optimizer": "not loaded (Megatron's optimizer formats drop or reset state on some releases): refused before "
                  "anything is loaded; load weights only: optimizer=None",
-    "scheduler": "opt_param_scheduler, when present, with scheduler=",
+    "scheduler": "opt_param_scheduler (or the older lr_scheduler), when present, with scheduler=",
     "iteration": "iteration and checkpoint_version are returned; the RNG states are not restored",
 }
 
@@ -57,7 +57,7 @@ def inspect_megatron(root: Path) -> dict[str, Any]:
         "model": model, "objects": objects,
         "optimizer": optimizer_format(common, tensors),
         "optimizer_tensors": sum(1 for k in tensors if k.startswith("optimizer.")),
-        "scheduler": isinstance(common.get("opt_param_scheduler"), dict),
+        "scheduler": scheduler_state(common) is not None,
         "rng": any(k.startswith("rng_state") for k in objects) or "rng_state" in common,
         "loadable": LOADABLE if metadata["sharded_backend"] == "torch_dist" else {
             "nothing": f"the {metadata['sharded_backend']!r} backend: mcore_compat loads torch_dist only"},
