@@ -95,6 +95,13 @@ _ROWS_PACKAGE: tuple[Fact[bool], ...] = (
       "import megatron.core JIT-builds a CUDA extension (inference/unified_memory.py); on a CPU-only box "
       "TORCH_CUDA_ARCH_LIST must be set",
       module_level_call("megatron.core.inference.unified_memory", "load_inline")),
+    F("dist_ckpt_torch_dist", ">=0.6",
+      "megatron.core.dist_checkpointing reads the torch_dist backend (dist_checkpointing/strategies/torch.py)",
+      module_exists("megatron.core.dist_checkpointing.strategies.torch")),
+    F("dist_ckpt_imports_psutil", ">=0.6,<0.13",
+      "the torch_dist strategy imports psutil unconditionally (dist_checkpointing/strategies/filesystem_async.py; "
+      "0.13+ import it inside try)",
+      top_level_import("megatron.core.dist_checkpointing.strategies.filesystem_async", "psutil")),
     F("gpt_needs_te", "<0.8",
       "the GPT layer specs (and so GPTModel) import transformer_engine unconditionally",
       all_of(top_level_import(_GPT_SPECS, _TE_LAYERS), top_level_import(_TE_LAYERS, "transformer_engine"))),

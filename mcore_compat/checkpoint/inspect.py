@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from .manifest import FORMAT, Manifest, read_manifest
+from .megatron_files import is_megatron_checkpoint
+from .megatron_inspect import FORMAT_NAME, inspect_megatron, render_megatron
 
 __all__ = ["inspect_checkpoint", "render"]
 
@@ -54,12 +56,15 @@ def _describe(value: Any) -> dict[str, Any]:
 def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The manifest, and of the first shard: each chunk's tensors (name, shape, dtype), the optimizer's records
     (param, range, state names) and what else it holds; who can load what, and at which other sizes (``reshard``:
-    per dimension, yes or why not).
+    per dimension, yes or why not). For a directory Megatron's dist_checkpointing wrote:
+    :func:`~.megatron_inspect.inspect_megatron`.
 
     Raises:
         CheckpointFormatError, CheckpointInProgressError: as :func:`~.load.load_checkpoint`.
     """
     root = Path(path)
+    if is_megatron_checkpoint(root):  # written by Megatron's dist_checkpointing
+        return inspect_megatron(root)
     manifest: Manifest = read_manifest(root)
     first = manifest.files[0]
     shard = torch.load(root / first.name, map_location="cpu", weights_only=True, mmap=True)
@@ -81,6 +86,8 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def render(info: dict[str, Any]) -> str:
     """The human-readable text of :func:`inspect_checkpoint`'s result."""
+    if info.get("format") == FORMAT_NAME:
+        return render_megatron(info)
     m = info["manifest"]
     lay = m["layout"]
     lines = [f"checkpoint {info['path']}",

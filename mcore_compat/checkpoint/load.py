@@ -32,6 +32,7 @@ from .errors import (
     CheckpointReshardError,
 )
 from .manifest import FORMAT, Manifest, ShardFile, read_manifest
+from .megatron_files import is_megatron_checkpoint
 from .pp import restage
 from .save import _gather
 from .state import leaves, main_params, named_params, param_key, restore_rng
@@ -49,14 +50,15 @@ class LoadedCheckpoint:
     Attributes:
         iteration: the iteration given to ``save_checkpoint`` (``None`` if none was).
         extra: this rank's ``extra`` (the saving rank at the same place in the layout).
-        manifest: the checkpoint's manifest (versions, layout, files).
+        manifest: the checkpoint's manifest (versions, layout, files); ``None`` for a Megatron dist_checkpointing
+            directory (:class:`~.megatron.LoadedMegatronCheckpoint`).
         rng_restored: the RNG states were restored (same layout as at save; after a reshard they are not).
         optimizer_loaded: the optimizer's state was loaded.
     """
 
     iteration: int | None
     extra: dict[str, Any] | None
-    manifest: Manifest
+    manifest: Manifest | None
     rng_restored: bool
     optimizer_loaded: bool
 
@@ -451,6 +453,10 @@ def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
     """Load a checkpoint written by :func:`~.save.save_checkpoint` into the model chunks (and optimizer,
     scheduler), in place. Call it on every rank, after building the model and optimizer as for training.
 
+    A directory Megatron's ``dist_checkpointing`` wrote (``metadata.json``, no mcore_compat manifest; Megatron-LM's
+    checkpoints) loads its model weights through Megatron's own load, resharded by Megatron, and its scheduler;
+    the optimizer is refused (:mod:`.megatron`, docs/checkpoints.md).
+
     Args:
         path: the checkpoint directory.
         chunks: the DDP-wrapped model chunk, or the list of them.
@@ -479,6 +485,10 @@ def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
     """
     chunk_list = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     where = coords(len(chunk_list))
+    if is_megatron_checkpoint(Path(path)):  # written by Megatron-LM: its weights through Megatron's own load
+        from .megatron import load_megatron
+
+        return load_megatron(Path(path), chunk_list, optimizer, scheduler, strict, where)
     try:
         plan = _plan(Path(path), chunk_list, optimizer, scheduler, strict, where)
     except Exception as exc:

@@ -16,7 +16,9 @@ def add_parser(sub: Any) -> None:
                        description="Checkpoints written by mcore_compat.save_checkpoint. 'inspect PATH' prints the "
                                    "format, the releases that wrote it, the parallel layout, each tensor's name, "
                                    "shape and dtype, the optimizer's records, and which releases can load which "
-                                   "part; exit 1 (one line) if PATH is not a complete checkpoint.")
+                                   "part; exit 1 (one line) if PATH is not a complete checkpoint. A directory "
+                                   "Megatron's dist_checkpointing wrote (Megatron-LM): backend, iteration, the "
+                                   "tensors' global shapes, the optimizer's format, what mcore_compat loads of it.")
     actions = p.add_subparsers(dest="action", metavar="ACTION")
     insp = actions.add_parser("inspect", help="what is inside a checkpoint")
     insp.add_argument("path", metavar="PATH", help="the checkpoint directory")
