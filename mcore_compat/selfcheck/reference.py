@@ -20,7 +20,8 @@ mean. The per-micro-batch gradients themselves are those of the same kernels on 
 accelerator the magnitudes are held in bfloat16 rounded up during the backward (never below the fp32 sum; the
 bound grows by at most ``2^-7`` of itself), widened to fp32 for the reductions once the activations are gone: two
 bytes per element less at the reference's peak; on the CPU they are summed in fp32 (the rounding costs more time
-there than the memory is worth).
+there than the memory is worth). The sums run per block of params (:class:`_BlockSums`: a few kernels per block,
+not ten per param).
 """
 
 from __future__ import annotations
@@ -237,7 +238,6 @@ class PlainReference:
 
     def _run(self, forward_step_func: Callable[..., Any], batches: Sequence[Sequence[Any] | None],
              num_microbatches: int, loss_scale: float, rng: RngReplay | None) -> GradReference:
-
         self.sync()
         g = self.groups
         acc: dict[Any, Any] = {}
@@ -246,7 +246,7 @@ class PlainReference:
         per_token: list[Any] = []
         iters = [None if b is None else iter(b) for b in batches]
         stages = g.pp * len(self.copies)
-        sums = [_FlatSums(pairs, self.grad_dtype) for pairs in self.pairs]
+        sums = [_BlockSums(pairs, self.grad_dtype) for pairs in self.pairs]
         try:
             self._microbatches(forward_step_func, iters, num_microbatches, loss_scale, rng, stages, out, per_token,
                                sums)
@@ -269,9 +269,9 @@ class PlainReference:
 
     def _microbatches(self, forward_step_func: Callable[..., Any], iters: list[Any], num_microbatches: int,
                       loss_scale: float, rng: RngReplay | None, stages: int, out: GradReference,
-                      per_token: list[Any], sums: list[_FlatSums]) -> None:
+                      per_token: list[Any], sums: list[_BlockSums]) -> None:
         """Every micro-batch's forward and backward through the copies; the gradients and their magnitudes summed
-        in ``sums`` (:class:`_FlatSums`), the losses into ``out``."""
+        in ``sums`` (:class:`_BlockSums`), the losses into ``out``."""
         import torch
 
         g = self.groups
@@ -425,9 +425,9 @@ def ceil_log2(n: int) -> int:
     return max(0, math.ceil(math.log2(max(n, 1))))
 
 
-#: elements per block of :class:`_FlatSums` (params packed up to it; a larger param is a block of its own)
+#: elements per block of :class:`_BlockSums` (params packed up to it; a larger param is a block of its own)
 _SUM_BLOCK = 1 << 26
-#: elements per piece of a block's float temporaries (8 bytes each) in :meth:`_FlatSums.add_microbatch`
+#: elements per piece of a block's float temporaries (8 bytes each) in :meth:`_BlockSums.add_microbatch`
 _SUM_PIECE = 1 << 25
 
 
@@ -444,7 +444,7 @@ class _SumBlock:
     mag: Any = None
 
 
-class _FlatSums:
+class _BlockSums:
     """The reference's sums over micro-batches in a few kernels per block of params, not ten per param.
 
     After a micro-batch's backward, each block's copy gradients are concatenated (one kernel; a missing one as
