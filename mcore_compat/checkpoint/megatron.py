@@ -203,11 +203,10 @@ def _plan_before_load(root: Path, chunks: list[Any], optimizer: Any, scheduler: 
             "optimizer formats (they drop or reset state on some releases): load weights only: optimizer=None")
     if scheduler is not None and strict and scheduler_state(common) is None:
         raise CheckpointMismatchError(f"{root} holds no opt_param_scheduler state (load with scheduler=None)")
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    classes: tuple[type, ...] = (ShardedTensor,)
-    factory = getattr(importlib.import_module("megatron.core.dist_checkpointing.mapping"), "ShardedTensorFactory",
-                      None)
+    # imported by name: the unit session (no Megatron) resolves the function-local `from` imports of every module
+    mapping = importlib.import_module("megatron.core.dist_checkpointing.mapping")
+    classes: tuple[type, ...] = (mapping.ShardedTensor,)
+    factory = getattr(mapping, "ShardedTensorFactory", None)
     if factory is not None:
         classes += (factory,)
     request: dict[str, Any] = {}
@@ -267,7 +266,7 @@ def load_megatron(root: Path, chunks: list[Any], optimizer: Any, scheduler: Any,
     ``chunks``; see :func:`~.load.load_checkpoint` (which calls it for such a directory) for the arguments."""
     metadata, common, request = _run(lambda: _plan_before_load(root, chunks, optimizer, scheduler, strict), where,
                                      "planning the load of a Megatron checkpoint (the chunks' sharded_state_dict)")
-    from megatron.core import dist_checkpointing
+    dist_checkpointing = importlib.import_module("megatron.core.dist_checkpointing")
 
     def read() -> dict[str, Any]:
         with safe_globals():
