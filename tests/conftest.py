@@ -132,6 +132,15 @@ def case_results(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
     return per_rank
 
 
+def supported_case(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """:func:`case_results`, skipping the test (naming the release's limit) where the case reported itself
+    ``unsupported`` on the installed release."""
+    per_rank = case_results(results, name)
+    if per_rank[0]["status"] == "unsupported":
+        pytest.skip(f"release limit of megatron-core {results['version']}: {per_rank[0]['reason']}")
+    return per_rank
+
+
 #: The child of :func:`run_in_one_process`: each command line as the interpreter would run it (``-m``: the
 #: module's ``__main__`` through ``runpy``; ``-c``: the code as ``__main__``), stdout, stderr and status apart.
 _RUN_EACH = r"""

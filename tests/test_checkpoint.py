@@ -13,7 +13,7 @@ from typing import Any
 
 import _checkpoint_scenarios as SCENARIOS
 import pytest
-from conftest import case_results, run_scenarios
+from conftest import run_scenarios, supported_case
 
 RESUME = [n for n in SCENARIOS.CASE_NAMES if n.startswith("resume-")]
 
@@ -40,10 +40,7 @@ def results(rank_group: Any, keep: Path) -> dict[str, Any]:
 
 
 def _case(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
-    per_rank = case_results(results, name)
-    if per_rank[0]["status"] == "unsupported":
-        pytest.skip(f"release limit of megatron-core {results['version']}: {per_rank[0]['reason']}")
-    return per_rank
+    return supported_case(results, name)
 
 
 @pytest.mark.mcore

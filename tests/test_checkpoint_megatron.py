@@ -15,7 +15,7 @@ from typing import Any
 
 import _checkpoint_megatron_scenarios as SCENARIOS
 import pytest
-from conftest import case_results, run_scenarios
+from conftest import run_scenarios, supported_case
 
 LOADS = [n for n in SCENARIOS.CASE_NAMES if "->" in n]
 
@@ -26,10 +26,7 @@ def results(rank_group: Any) -> dict[str, Any]:
 
 
 def _case(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
-    per_rank = case_results(results, name)
-    if per_rank[0]["status"] == "unsupported":
-        pytest.skip(f"release limit of megatron-core {results['version']}: {per_rank[0]['reason']}")
-    return per_rank
+    return supported_case(results, name)
 
 
 @pytest.mark.mcore
