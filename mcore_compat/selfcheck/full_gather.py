@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any
 
 from .._own_math import own_tensor_math
+from .groups import gather_objects
 from .report import Check
 
 __all__ = ["NAME", "gather_full_check", "inject_wrong_stride"]
@@ -27,7 +28,6 @@ NAME = "gather_full_matches"
 
 def _reference(chunks: list[Any], tp_rank: int, etp_rank: int) -> dict[str, Any]:
     """Full weights from every rank's parameters exchanged one tensor at a time (collective)."""
-    import torch.distributed as dist
 
     from ..binding.placement import placements, unshard
     from ..layout.read import unwrap
@@ -43,8 +43,7 @@ def _reference(chunks: list[Any], tp_rank: int, etp_rank: int) -> dict[str, Any]
             rank = (etp_rank if pl.expert is not None else tp_rank) if pl.tp_split else 0
             mine.append((pl.full_name, rank, p.detach().cpu().clone(), pl.tp_split, pl.partition_dim,
                          pl.partition_stride))
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = gather_objects(mine)
     shards: dict[str, dict[int, tuple[Any, bool, int, int]]] = {}
     for records in everyone:
         for name, rank, t, split, dim, stride in records:
@@ -60,13 +59,11 @@ def _reference(chunks: list[Any], tp_rank: int, etp_rank: int) -> dict[str, Any]
 def gather_full_check(binding: Any, chunks: list[Any]) -> Check:
     """The check on every rank (collective: every rank calls it)."""
     import torch
-    import torch.distributed as dist
 
     from ..binding import BindingError, gather_full
     from ..binding.placement import coordinates
 
-    unbound: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(unbound, list(binding.unbound))
+    unbound = gather_objects(list(binding.unbound))
     left_out = sorted({n for names in unbound for n in names})
     if left_out:
         return Check.not_applicable(NAME, f"{len(left_out)} parameter(s) not bound (e.g. {left_out[0]}): "

@@ -36,6 +36,7 @@ from typing import Any
 from .._own_math import own_tensor_math
 from ..errors import McoreCompatError
 from . import models, plain_gpt
+from .groups import gather_objects
 from .options import SelfCheckOptions
 from .reference import core_module
 from .report import Check
@@ -130,14 +131,12 @@ class IndependentReference:
     def _layout(self) -> None:
         """What every rank will send each step: its params (not the tied output-layer copy), their keys, shapes
         and tensor-parallel attributes (collective, once)."""
-        import torch.distributed as dist
 
         word = "embedding.word_embeddings.weight"
         self.sent = [p for p, loc in self.local.items() if not (loc.key == word and _is_output_copy(p, self.chunks))]
         meta = [(self.local[p].key, tuple(p.shape), self.tp_rank, self.local[p].tp_split, self.local[p].dim,
                  self.local[p].stride) for p in self.sent]
-        self.metas: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(self.metas, meta)
+        self.metas: list[Any] = gather_objects(meta)
         self.width = max(sum(math.prod(shape) for _, shape, *_ in m) for m in self.metas)
         self.device = next(iter(self.local)).device
 
@@ -294,10 +293,8 @@ class IndependentReference:
     @own_tensor_math
     def check(self) -> Check:
         """This rank's verdict; the worst ratios are those of every rank (collective)."""
-        import torch.distributed as dist
 
-        worst: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(worst, (self.worst_grad, self.worst_loss, self.where))
+        worst = gather_objects((self.worst_grad, self.worst_loss, self.where))
         if self.reason is not None:
             return Check.not_applicable(NAME, self.reason)
         grad, loss, where = max(worst, key=lambda t: t[0])

@@ -16,6 +16,7 @@ from ..errors import McoreCompatError
 from ..launch import Group, RankFailure, RankTimeout, check_not_bootstrapping, spawn
 from ..preflight import require
 from . import noise
+from .groups import gather_objects
 from .options import SelfCheckOptions, UsageError
 from .report import Check, Report, merge_rank_checks
 
@@ -99,7 +100,6 @@ def run(options: SelfCheckOptions | None = None, **overrides: Any) -> Report:
     settings["nproc"] = opts.world_size()  # under torchrun: its world size, not the unset --nproc
     report = Report(settings=settings)
     if torchrun:
-        import torch.distributed as dist
 
         from ..launch import init_from_env
         from .worker import run_rank
@@ -110,8 +110,7 @@ def run(options: SelfCheckOptions | None = None, **overrides: Any) -> Report:
             timer = _watchdog(opts.timeout)
             try:
                 checks, env = run_rank(opts)
-                gathered: list[Any] = [None] * dist.get_world_size()
-                dist.all_gather_object(gathered, (checks, noise.drain()))
+                gathered = gather_objects((checks, noise.drain()))
             finally:
                 timer.cancel()
         finally:

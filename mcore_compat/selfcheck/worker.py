@@ -17,6 +17,7 @@ from .._own_math import own_tensor_math
 from . import models
 from .configured import from_options
 from .full_gather import gather_full_check, inject_wrong_stride
+from .groups import gather_objects
 from .independent import IndependentReference
 from .offload_cycle import OffloadCycles
 from .options import SelfCheckOptions
@@ -154,15 +155,13 @@ def _binding_checks(binding: Any, chunks: list[Any]) -> list[Check]:
 def _pipeline_gather_check(binding: Any, ps: Any) -> Check:
     """``gather_pipeline`` equals every stage's own weights (exchanged tensor by tensor as the reference)."""
     import torch
-    import torch.distributed as dist
 
     from ..binding import gather_pipeline
 
     group = ps.get_pipeline_model_parallel_group()
     gathered = gather_pipeline(binding, group=group)
     mine = {n: v.detach().cpu().clone() for n, v in binding.named_views().items()}
-    stages: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(stages, mine, group=group)
+    stages = gather_objects(mine, group)
     expected = {f"stage{s}.{n}": t for s, d in enumerate(stages) for n, t in d.items()}
     missing = sorted(set(expected) - set(gathered))
     extra = sorted(set(gathered) - set(expected))
