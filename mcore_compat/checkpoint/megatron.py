@@ -281,8 +281,7 @@ def load_megatron(root: Path, chunks: list[Any], optimizer: Any, scheduler: Any,
         if isinstance(sched_state, dict):
             try:
                 scheduler.load_state_dict(sched_state)
-            except Exception as exc:
-                scheduler.load_state_dict(before)
+            except Exception as exc:  # put back below, with a refusal on any other rank
                 raise CheckpointMismatchError(f"the scheduler refused the checkpoint's opt_param_scheduler: "
                                               f"{exc}") from None
 
