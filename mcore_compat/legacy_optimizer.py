@@ -52,6 +52,10 @@ __all__ = ["LegacyOptimizer", "build_legacy_optimizer"]
 Group = Optional[dist.ProcessGroup]
 
 
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
 def _cfg(config: Any, name: str, default: Any) -> Any:
     """Read ``name`` from a dict, dataclass or namespace config; ``default`` when absent or ``None``."""
     value = config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
@@ -273,9 +277,11 @@ class LegacyOptimizer:
     def _make_inner(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         cfg, kind = self.config, str(_cfg(self.config, "optimizer", "adam")).lower()
         lr, wd = float(_cfg(cfg, "lr", 1e-3)), float(_cfg(cfg, "weight_decay", 0.01))
-        min_lr = float(_cfg(cfg, "min_lr", 0.0))
+        # A bound the config does not set stays None, as in Megatron's groups (0.6+): optimizer_param_scheduler
+        # fills it with the scheduler's own value (a 0.0 here would decay those groups to 0).
+        min_lr = _float_or_none(_cfg(cfg, "min_lr", None))
         decoupled_lr = _cfg(cfg, "decoupled_lr", None)
-        decoupled_min_lr = float(_cfg(cfg, "decoupled_min_lr", min_lr))
+        decoupled_min_lr = _float_or_none(_cfg(cfg, "decoupled_min_lr", min_lr))
         for g in groups:
             max_lr, low = ((float(decoupled_lr), decoupled_min_lr) if g.get("is_decoupled_lr") else (lr, min_lr))
             g.update(lr=max_lr * g["lr_mult"], weight_decay=wd * g["wd_mult"], max_lr=max_lr, min_lr=low)

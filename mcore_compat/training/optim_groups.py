@@ -48,7 +48,9 @@ def _conds_to_overrides(config: Any, no_weight_decay_cond: Callable | None, scal
     ``no_weight_decay_cond(name, param)`` (default: biases and 1-D params); decoupled LR for embedding/output
     params when ``config.decoupled_lr`` is set; and, where ``scale_lr_cond(name, param)``, the group's
     ``max_lr``/``min_lr`` times ``lr_mult`` - from 0.16 the scheduler ignores ``lr_mult`` (fact
-    ``scheduler_ignores_lr_mult``), so the scaled learning rate has to live in ``max_lr``/``min_lr``. The keys are
+    ``scheduler_ignores_lr_mult``), so the scaled learning rate has to live in ``max_lr``/``min_lr``. The scaled
+    groups also record ``lr_mult`` (which that scheduler does not read): a bound left ``None`` (no ``min_lr`` in
+    the config) is filled from the scheduler's and scaled by it (``scheduler._fill_group_bounds``). The keys are
     disjoint (0.16 refuses two overrides that set ``max_lr`` differently for one param).
     """
     opt = mcore("optimizer")
@@ -77,10 +79,10 @@ def _conds_to_overrides(config: Any, no_weight_decay_cond: Callable | None, scal
     if scale is not None:
         overrides[key("mcore_compat_scale_lr_cond", lambda n, p: scaled(n, p) and not (
             decoupled and _is_decoupled(n, p)))] = {"max_lr": config.lr * lr_mult,
-                                                    "min_lr": _scaled(config.min_lr, lr_mult)}
+                                                    "min_lr": _scaled(config.min_lr, lr_mult), "lr_mult": lr_mult}
         if decoupled:
             overrides[key("mcore_compat_decoupled_scaled_lr", lambda n, p: scaled(n, p) and _is_decoupled(n, p))] = {
-                "max_lr": dlr * lr_mult, "min_lr": _scaled(dmin, lr_mult)}
+                "max_lr": dlr * lr_mult, "min_lr": _scaled(dmin, lr_mult), "lr_mult": lr_mult}
     return overrides
 
 

@@ -37,6 +37,30 @@ def set_group_lr(group: dict[str, Any], lr: float) -> None:
         group["lr"] = lr
 
 
+def _fill_group_bounds(optimizer: Any, max_lr: float, min_lr: float, lr_mult_in_bounds: bool) -> int:
+    """Give every param group without a ``max_lr`` / ``min_lr`` of its own (``None`` or missing) the scheduler's.
+
+    A group's own bound wins (Megatron's rule: ``OptimConfig.lr`` / ``min_lr``, a decoupled learning rate, a
+    ``config_overrides`` entry); a group built while ``OptimConfig.min_lr`` (or ``lr``) was ``None`` carries
+    ``None`` there, on which Megatron's scheduler fails (0.6+: ``max_lr - min_lr`` with ``None``) or - mcore_compat's
+    optimizer for 0.4/0.5 - would decay to 0. Megatron-LM passes one value to both the optimizer config and the
+    scheduler, so the scheduler's value is the one meant. Where the release keeps a group's learning-rate scale
+    in its bounds (``lr_mult_in_bounds``: 0.16+, fact ``scheduler_ignores_lr_mult``), the filled bound is scaled by
+    the group's ``lr_mult`` like its own bounds are.
+
+    Returns:
+        How many bounds were filled.
+    """
+    filled = 0
+    for group in optimizer.param_groups:
+        scale = float(group.get("lr_mult", 1.0)) if lr_mult_in_bounds else 1.0
+        for key, value in (("max_lr", max_lr), ("min_lr", min_lr)):
+            if group.get(key) is None:
+                group[key] = float(value) * scale
+                filled += 1
+    return filled
+
+
 def _check(init_lr: float, max_lr: float, min_lr: float, warmup: int, decay: int, style: str, start_wd: float,
            end_wd: float, wd_style: str, use_checkpoint: bool | None, override: bool | None, wsd_steps: int | None,
            wsd_style: str | None) -> None:
@@ -93,6 +117,7 @@ class ParamScheduler:
         _check(init_lr, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style, start_wd, end_wd,
                wd_incr_style, use_checkpoint_opt_param_scheduler, override_opt_param_scheduler, wsd_decay_steps,
                lr_wsd_decay_style)
+        _fill_group_bounds(optimizer, max_lr, min_lr, lr_mult_in_bounds=False)  # it multiplies by lr_mult itself
         self.step(0)
 
     def get_wd(self) -> float:
@@ -184,8 +209,14 @@ def optimizer_param_scheduler(optimizer: Any, init_lr: float, max_lr: float, min
 
     Args:
         optimizer: the optimizer from :func:`~mcore_compat.training.get_megatron_optimizer`.
-        init_lr, max_lr, min_lr: warmup start, peak and floor (a group's own ``max_lr``/``min_lr`` - decoupled
-            learning rate, ``scale_lr_cond`` on 0.16+ - take precedence, as in Megatron).
+        init_lr, max_lr, min_lr: warmup start, peak and floor. A group's own ``max_lr``/``min_lr`` takes
+            precedence, as in Megatron: ``OptimConfig.lr``/``min_lr`` (all groups), ``decoupled_lr``/
+            ``decoupled_min_lr`` (embedding and output weights), a ``config_overrides`` entry; so a
+            ``min_lr`` given to both ``OptimConfig`` and here uses ``OptimConfig``'s. A group without one
+            (``OptimConfig.min_lr=None``, the default) gets this ``min_lr`` (and ``max_lr``), scaled by its
+            ``lr_mult`` on 0.16+ as its own bounds are: see :func:`_fill_group_bounds`. Raw Megatron fails on
+            such a group at the first decay step (0.6+) or decays it to 0 (0.4/0.5 through mcore_compat's
+            optimizer before this rule).
         lr_warmup_steps, lr_decay_steps, lr_decay_style: ``constant``, ``linear``, ``cosine``,
             ``inverse-square-root`` or ``WSD`` (with ``wsd_decay_steps`` and ``lr_wsd_decay_style``).
         start_wd, end_wd, wd_incr_steps, wd_incr_style: weight decay from ``start_wd`` to ``end_wd``
@@ -202,7 +233,9 @@ def optimizer_param_scheduler(optimizer: Any, init_lr: float, max_lr: float, min
             wsd_decay_steps, lr_wsd_decay_style)
     _check(init_lr, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style, start_wd, end_wd, wd_incr_style,
            use_checkpoint_opt_param_scheduler, override_opt_param_scheduler, wsd_decay_steps, lr_wsd_decay_style)
-    if has("megatron_scheduler", installed_version()):
+    version = installed_version()
+    _fill_group_bounds(optimizer, max_lr, min_lr, has("scheduler_ignores_lr_mult", version))
+    if has("megatron_scheduler", version):
         from .. import symbols
 
         return symbols.resolve("OptimizerParamScheduler")(*args)
