@@ -42,9 +42,10 @@ def add_parser(sub: Any) -> None:
                    help="before installing release V: which Python it runs on, whether this one is it (else where "
                         "one was found: PATH, pyenv, uv), and the exact commands (a new venv where needed; torch's "
                         "CPU build without a GPU); nothing is installed or imported. Exit 1 if no Python for V "
-                        "was found")
+                        "was found (default: none, the report of this install)")
     p.add_argument("--expect-version", metavar="V",
-                   help="exit with status 1 unless the detected megatron-core is exactly version V")
+                   help="exit with status 1 unless the detected megatron-core is exactly version V (default: any "
+                        "supported release passes)")
     p.set_defaults(func=run)
 
 
