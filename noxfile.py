@@ -9,16 +9,16 @@ Sessions (``nox -l`` lists them):
 * ``unit``: the tests that need no megatron-core (``pytest -m "not mcore"``).
 * ``lint``: ``ruff check .``, ``mypy`` over ``mcore_compat``, ``patches`` and ``ci``, and the public API's
   breaking-change check (``scripts/gen_api.py --check``, griffe against ``api/mcore_compat.json``).
-* ``matrix``: unit + lint + every release session, 2 at a time, records each release's CPU result into
+* ``matrix``: unit + lint + docs + every release session, 2 at a time, records each release's CPU result into
   ``matrix/results.json``, regenerates ``matrix/README.md`` and ends with one pytest-style summary line.
   Options after ``--``: ``--jobs N``, ``--tag TAG`` (only releases with that tag), ``--no-record``.
 * ``base-3.11``, ``base-3.12``: build the shared base venv of that Python (the others require theirs).
 * ``docs``: the documentation site (``mkdocs build --strict``: a warning or a broken link fails it) into
-  ``.cache/site``; not part of ``matrix``.
+  ``.cache/site``; ``matrix`` runs it too.
 
 No test session creates its own virtualenv (``venv_backend="none"``): torch is too large for one venv per session.
-``docs`` is the exception: it needs neither torch nor mcore-compat installed (mkdocstrings reads the source
-statically), only :data:`ci.matrix_env.DOCS_TOOLS` in a small venv of its own.
+``docs`` needs neither torch nor mcore-compat installed (mkdocstrings reads the source statically), only
+:data:`ci.matrix_env.DOCS_TOOLS` in a small venv of its own, ``.cache/docs-venv``.
 Each Python has one shared base venv in ``.cache/base-py3xx``, each release a ``pip install --target`` tree in
 ``.cache/mc/<V>``, and this repository is installed (non-editable) into ``.cache/mcc/py3xx``; a test run puts both
 on ``PYTHONPATH``. The machinery is the ``ci`` package (``ci/matrix_env.py`` documents the layout); logs go to
@@ -99,16 +99,15 @@ def lint(session: nox.Session) -> None:
     _finish(session, jobs.run_lint(ENV, Out(), session.posargs))
 
 
-@nox.session(python=ENV.tools_python, default=False)
+@nox.session(venv_backend="none", default=False)
 def docs(session: nox.Session) -> None:
     """The documentation site: mkdocs build --strict (warnings and broken links fail) into .cache/site."""
-    session.install(*matrix_env.DOCS_TOOLS)
-    session.run("mkdocs", "build", "--strict", *session.posargs)
+    _finish(session, jobs.run_docs(ENV, Out(), session.posargs))
 
 
 @nox.session(venv_backend="none", default=False)
 def matrix(session: nox.Session) -> None:
-    """unit + lint + every release session, 2 at a time; records CPU results and regenerates matrix/README.md."""
+    """unit + lint + docs + every release session, 2 at a time; records CPU results and regenerates matrix/README.md."""
     try:
         failed = scheduler.run_matrix(ENV, session.posargs, session.log)
     except JobError as exc:  # bad options

@@ -1,4 +1,4 @@
-"""The bodies of the sessions: ``unit``, ``lint`` and one release (start-up check, pytest, self-check).
+"""The bodies of the sessions: ``unit``, ``lint``, ``docs`` and one release (start-up check, pytest, self-check).
 
 Each returns a :class:`~ci.results.JobResult` instead of raising, so the matrix can run them side by side and a
 single session can fail with the result's details.
@@ -224,3 +224,19 @@ def run_lint(env: MatrixEnv, out: Out, extra: Sequence[str] = ()) -> JobResult:
             result.details, result.errors = "; ".join(failed), len(failed)
 
     return _timed("lint", out, body)
+
+
+def run_docs(env: MatrixEnv, out: Out, extra: Sequence[str] = ()) -> JobResult:
+    """The documentation site: ``mkdocs build --strict`` (a warning or a broken link fails) into ``.cache/site``,
+    with the tools of ``.cache/docs-venv`` (:meth:`~ci.matrix_env.MatrixEnv.ensure_docs_venv`; ``extra`` goes to
+    mkdocs)."""
+
+    def body(result: JobResult) -> None:
+        exe = env.ensure_docs_venv(out)
+        code = out.run([exe, "-m", "mkdocs", "build", "--strict", "-d", env.layout.site, *extra], check=False,
+                       cwd=env.layout.repo)
+        result.ok = code == 0
+        if code != 0:
+            result.details, result.errors = f"mkdocs build --strict exited with status {code}", 1
+
+    return _timed("docs", out, body)

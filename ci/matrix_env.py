@@ -173,6 +173,16 @@ class Layout:
         """``.cache/matrix-summary.txt``: the matrix's summary line (``.ci/run`` repeats it last)."""
         return self.cache / "matrix-summary.txt"
 
+    @property
+    def docs_venv(self) -> Path:
+        """``.cache/docs-venv``: the documentation site's tools (:data:`DOCS_TOOLS`), nothing else."""
+        return self.cache / "docs-venv"
+
+    @property
+    def site(self) -> Path:
+        """``.cache/site``: the built documentation site (``site_dir`` of ``mkdocs.yml``)."""
+        return self.cache / "site"
+
     def base_dir(self, python: str) -> Path:
         """``.cache/base-py311``."""
         return self.cache / f"base-{pytag(python)}"
@@ -383,6 +393,31 @@ class MatrixEnv:
                                f"{still if still else 'its requirements (the probe failed)'}")
             stamp.write_text(stamp_value + "\n", encoding="utf-8")
             out.say(f"base {layout.base_dir(python)} ready in {time.monotonic() - start:.1f}s")
+        return exe
+
+    def ensure_docs_venv(self, out: Out) -> Path:
+        """Build (once) ``.cache/docs-venv`` with :data:`DOCS_TOOLS` on the tools Python; returns its interpreter.
+
+        A stamp with the hash of the tools marks it done; a changed list is topped up with pip, a missing
+        interpreter (or ``MCORE_COMPAT_REBUILD_BASE=1``) rebuilds it. Neither torch nor mcore-compat goes in:
+        mkdocstrings reads the sources statically (about 30 s of pip on a fresh machine, then nothing).
+
+        Raises:
+            JobError: no interpreter or a failed pip.
+        """
+        venv = self.layout.docs_venv
+        exe = venv / "bin" / "python"
+        stamp = venv / ".mcore-compat-stamp"
+        stamp_value = digest({"python": self.tools_python, "requirements": list(DOCS_TOOLS)})
+        with self._lock("docs-venv", out):
+            if read_stamp(stamp) == stamp_value and exe.exists():
+                return exe
+            if not exe.exists() or os.environ.get("MCORE_COMPAT_REBUILD_BASE") == "1":
+                out.say(f"building the docs environment {venv} (Python {self.tools_python})")
+                shutil.rmtree(venv, ignore_errors=True)
+                out.run([find_python(self.tools_python), "-m", "venv", venv])
+            out.run([exe, "-m", "pip", "install", *DOCS_TOOLS])
+            stamp.write_text(stamp_value + "\n", encoding="utf-8")
         return exe
 
     def check_limits(self, release: Release, out: Out) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ci.jobs import LAUNCHER_TAG, run_lint, run_release, run_unit
+from ci.jobs import LAUNCHER_TAG, run_docs, run_lint, run_release, run_unit
 from ci.matrix_env import MatrixEnv, pytag
 from ci.output import JobError, Out, console
 from ci.results import TIMING_HEADER, JobResult, counts_text, cpu_record, summary_line, tail, timing_line
@@ -25,8 +25,9 @@ Body = Callable[[Out], JobResult]
 #: takes about 15% longer, one that also runs the README and docs/ blocks (tag ``docs``: about 45 s of one core,
 #: measured on 0.16.1 and 0.19.2) about 15% more; unit, whose launcher tests wait for hung ranks, about 20% more
 #: than a release session (180 s against 140-155 s in a fresh-clone run on 2 cores), so that it starts among the
-#: first instead of being the last job running; lint takes a fraction of one.
-_LAUNCHER_WEIGHT, _DOCS_EXTRA_WEIGHT, _UNIT_WEIGHT, _LINT_WEIGHT = 1.15, 0.15, 1.2, 0.2
+#: first instead of being the last job running; lint takes a fraction of one, and so does docs (the site:
+#: ``mkdocs build --strict``, 7 s of one core, plus about 30 s of pip once for its venv), which goes last.
+_LAUNCHER_WEIGHT, _DOCS_EXTRA_WEIGHT, _UNIT_WEIGHT, _LINT_WEIGHT, _SITE_WEIGHT = 1.15, 0.15, 1.2, 0.2, 0.1
 #: The versions.toml tag of the sessions that also run the README and docs/ blocks (the root conftest.py).
 _DOCS_TAG = "docs"
 
@@ -171,7 +172,7 @@ def report(results: Sequence[JobResult], started: float, summary_file: Path) -> 
 
 
 def run_matrix(env: MatrixEnv, args: Sequence[str], log: Callable[[str], None]) -> list[str]:
-    """The ``matrix`` session: unit, lint and every release (or those with ``--tag``), ``--jobs`` at a time.
+    """The ``matrix`` session: unit, lint, docs and every release (or those with ``--tag``), ``--jobs`` at a time.
 
     Records each release's CPU result into ``matrix/results.json`` (unless ``--no-record``), regenerates
     ``matrix/README.md`` and ends with the summary line.
@@ -192,12 +193,13 @@ def run_matrix(env: MatrixEnv, args: Sequence[str], log: Callable[[str], None]) 
     env.layout.summary_file.unlink(missing_ok=True)
     releases = [r for r in env.releases() if opts.tag is None or opts.tag in r.tags]
     jobs = [Job("unit", env.tools_python, functools.partial(run_unit, env), weight=_UNIT_WEIGHT),
-            Job("lint", env.tools_python, functools.partial(run_lint, env), weight=_LINT_WEIGHT)]
+            Job("lint", env.tools_python, functools.partial(run_lint, env), weight=_LINT_WEIGHT),
+            Job("docs", env.tools_python, functools.partial(run_docs, env), weight=_SITE_WEIGHT)]
     jobs += [Job(r.session, r.python, functools.partial(run_release, env, r),
                  weight=(_LAUNCHER_WEIGHT if LAUNCHER_TAG in r.tags else 1.0)
                  + (_DOCS_EXTRA_WEIGHT if _DOCS_TAG in r.tags else 0.0)) for r in releases]
     pythons = sorted({j.python for j in jobs})
-    log(f"matrix: unit, lint and {len(releases)} releases on Python {', '.join(pythons)}, {opts.jobs} at a time; "
+    log(f"matrix: unit, lint, docs and {len(releases)} releases on Python {', '.join(pythons)}, {opts.jobs} at a time; "
         f"logs in {env.layout.logs}")
     results = run_jobs(env, jobs, opts.jobs)
     by_name = {r.name: r for r in results}

@@ -14,7 +14,7 @@ Megatron; the first use of a name imports Megatron's module that has it and retu
   it, and in an attribute read (``mpu.x``, ``hasattr(mpu, "x")``)
   :class:`~mcore_compat.errors.SymbolUnavailableError` (an ``AttributeError``), as the raw module answers.
 * Assignments to a mirror module's names (``mock.patch("mcore_compat.core.parallel_state.get_x")``) go to
-  Megatron's module.
+  Megatron's module that the name is read from (where it moved, on a release that reaches the path by a move).
 
 A mirror module for a path the installed release does not have imports only when a name whose definition moved to
 or from it (a package: from it or a module below it) is reachable there; otherwise the import raises
@@ -131,13 +131,15 @@ class MirrorModule(types.ModuleType):
         if (name.startswith("__") and name.endswith("__")) or isinstance(value, MirrorModule):
             super().__setattr__(name, value)  # the import system's own attributes and our submodules
             return
-        setattr(_real_or_raise(self.__name__), name, value)
+        target = _owner(self.__name__, name)
+        setattr(target, name, value)
+        _ROUTES[(self.__name__, name)] = target  # later reads see the patched object
 
     def __delattr__(self, name: str) -> None:
         if name in self.__dict__:
             super().__delattr__(name)
             return
-        delattr(_real_or_raise(self.__name__), name)
+        delattr(_owner(self.__name__, name), name)
 
     def __dir__(self) -> list[str]:
         module = real_path(self.__name__)
@@ -145,6 +147,21 @@ class MirrorModule(types.ModuleType):
 
     def __repr__(self) -> str:
         return f"<mirror module {self.__name__!r} of {real_path(self.__name__)!r}>"
+
+
+def _owner(mirror_name: str, name: str) -> types.ModuleType:
+    """The Megatron module an assignment to ``<mirror module>.name`` goes to (``mock.patch``, a client's
+    ``rope_utils.apply_rotary_pos_emb = patched``): the module the name is read from (where it moved, for a path
+    the installed release reaches by a move), else Megatron's module at the same path (a new name)."""
+    route = _ROUTES.get((mirror_name, name))
+    if route is not None:
+        return route
+    try:
+        resolve(mirror_name, name)
+    except NameUnavailableError:
+        pass
+    route = _ROUTES.get((mirror_name, name))
+    return route if route is not None else _real_or_raise(mirror_name)
 
 
 def _real_or_raise(mirror_name: str) -> types.ModuleType:

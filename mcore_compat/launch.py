@@ -62,6 +62,11 @@ _NO_MAIN_GUARD = (
 )
 
 
+#: Seconds a group waits, after a rank's failure, for the other ranks' failures before it stops them (so that a
+#: load error raised on every rank names every rank, not only the first to report).
+_FAILURE_GRACE_S = 1.0
+
+
 class RankFailure(McoreCompatError, RuntimeError):
     """One or more ranks raised or died. ``failures`` maps rank -> traceback text (or exit status).
 
@@ -575,6 +580,14 @@ class Group:
                             code = procs[r].exitcode
                             failures[r] = _NO_MAIN_GUARD if code == _NO_MAIN_GUARD_EXIT else (
                                 f"process exited with status {code} without reporting a result")
+            # the others may be failing too (a load error raised on every rank): their reports, if they come
+            # within a short grace, are named with the first; a rank still waiting in a collective is not
+            grace = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+            while failures and pending() and time.monotonic() < grace:
+                try:
+                    take(self._results.get(timeout=max(0.01, min(grace - time.monotonic(), 0.2))))
+                except queue.Empty:
+                    pass
         except BaseException:
             self._teardown()
             raise

@@ -197,5 +197,29 @@ def check_mirror() -> dict[str, Any]:
         attributes["later_change_seen"] = ps.get_tensor_model_parallel_rank is abs
     finally:
         real_ps.get_tensor_model_parallel_rank = original
+    attributes["moved_assignment_forwarded"] = _patch_through_a_moved_path(release)
     return {"release": release, "cases": cases, "attributes": attributes,
             "modules": {m: _module_case(m, release) for m in ABSENT_MODULES}}
+
+
+def _patch_through_a_moved_path(release: str) -> bool:
+    """A client's monkeypatch ``rope_utils.apply_rotary_pos_emb = patched`` through the mirror lands on the
+    Megatron module the name is read from: ``rope_utils`` itself (0.10+), or ``rotary_pos_embedding`` where the
+    release reaches the path by a move (0.4-0.9: no ``rope_utils`` module); reads through the mirror see it."""
+    from mcore_compat import surface
+
+    path = "megatron.core.models.common.embeddings.rope_utils"
+    where = surface.locate(path, "apply_rotary_pos_emb", release)
+    assert where is not None
+    owner = importlib.import_module(where.module)
+    original = owner.apply_rotary_pos_emb
+    mirror = importlib.import_module("mcore_compat.core.models.common.embeddings.rope_utils")
+
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    try:
+        mirror.apply_rotary_pos_emb = patched
+        return owner.apply_rotary_pos_emb is patched and mirror.apply_rotary_pos_emb is patched
+    finally:
+        owner.apply_rotary_pos_emb = original

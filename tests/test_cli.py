@@ -464,3 +464,78 @@ def test_the_sweep_names_each_configuration_before_its_report(monkeypatch: pytes
     assert [ln for ln in lines if ln.startswith("== ")] == [
         f"== configuration 1/2: {configs[0].label()} ==", f"== configuration 2/2: {configs[1].label()} =="]
     assert "not run: moe: no experts here" in lines
+
+
+# ---- every command: a closed pipe, and --help that says what each option means and its default -------------------
+def _all_parsers() -> list[tuple[str, object]]:
+    """Every (sub)command's parser: ``mcore-compat ...`` and ``python -m mcore_compat.support ...``."""
+    import argparse
+
+    from mcore_compat.cli import build_parser
+    from mcore_compat.support.cli import _build_parser
+
+    found: list[tuple[str, object]] = []
+
+    def walk(name: str, parser: argparse.ArgumentParser) -> None:
+        found.append((name, parser))
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, p in action.choices.items():
+                    walk(f"{name} {sub}", p)
+
+    walk("mcore-compat", build_parser())
+    walk("python -m mcore_compat.support", _build_parser())
+    return found
+
+
+@pytest.mark.unit
+def test_every_option_of_every_command_says_what_it_means_and_its_default() -> None:
+    """Each option's help says what it does; each option that takes a value (or has a --no- form) names its
+    default; ``--help`` of every command shows them."""
+    import argparse
+
+    missing = []
+    for name, parser in _all_parsers():
+        assert isinstance(parser, argparse.ArgumentParser)
+        shown = parser.format_help()
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)):
+                continue
+            text = action.help or ""
+            flag = action.option_strings[-1] if action.option_strings else action.dest
+            if not text.strip():
+                missing.append(f"{name} {flag}: no help")
+            elif action.option_strings and action.nargs != 0 and "default" not in text:
+                missing.append(f"{name} {flag}: no default in {text!r}")
+            elif " ".join(text.split()[:3]) not in " ".join(shown.split()):
+                missing.append(f"{name} {flag}: not in --help")
+    assert not missing, "\n".join(missing)
+    assert len(_all_parsers()) >= 9
+
+
+_PIPED_COMMANDS = {
+    "doctor": ["-m", "mcore_compat", "doctor"],
+    "doctor --json": ["-m", "mcore_compat", "doctor", "--json"],
+    "checkpoint inspect --json": ["-m", "mcore_compat", "checkpoint", "inspect", "--json",
+                                  str(ROOT / "tests" / "data" / "checkpoints" / "0.16.1" / "checkpoint")],
+    "scan": ["-m", "mcore_compat", "scan", str(ROOT / "examples")],
+    "self-check --help": ["-m", "mcore_compat", "self-check", "--help"],
+    "support list": ["-m", "mcore_compat.support", "list"],
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("command", sorted(_PIPED_COMMANDS))
+def test_a_closed_pipe_ends_the_command_quietly(command: str, work: Path) -> None:
+    """``mcore-compat ... | head``: the reader is gone before the command writes; no traceback, no "Exception
+    ignored", exit status 141 (128 + SIGPIPE, as a shell reports for coreutils; argparse's --help swallows the
+    error itself and exits 0)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-P", *_PIPED_COMMANDS[command]], stdout=write,
+                              stderr=subprocess.PIPE, text=True, cwd=work, env=_env(), timeout=_TIMEOUT, check=False)
+    finally:
+        os.close(write)
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == (0 if command.endswith("--help") else 141), (proc.returncode, proc.stderr[-3000:])

@@ -75,8 +75,9 @@ def test_readme_is_a_landing_page_with_working_links() -> None:
 
 
 def test_docs_mcore_compat_commands_parse() -> None:
-    """The ``mcore-compat`` commands of docs/'s shell blocks (bare, from a venv, or ``torchrun ... -m
-    mcore_compat``) parse with the real command line."""
+    """The ``mcore-compat`` commands of docs/'s shell blocks (from the venv, as README writes them:
+    ``.venv/bin/mcore-compat``, or ``.venv/bin/torchrun ... -m mcore_compat``) parse with the real command
+    line."""
     from mcore_compat.cli import _build
 
     parser, _ = _build()
@@ -87,7 +88,9 @@ def test_docs_mcore_compat_commands_parse() -> None:
                 line = line.split("  #", 1)[0].strip()
                 for part in line.split("&&"):
                     argv = shlex.split(part) if part.strip() and not part.lstrip().startswith("#") else []
-                    if argv and argv[0] == "torchrun" and "mcore_compat" in argv:
+                    if argv and argv[0].endswith(("mcore-compat", "torchrun")):  # as README: from the venv
+                        assert re.match(r"^\.venv[\w.-]*/bin/", argv[0]), f"{page.name}: {part.strip()}"
+                    if argv and argv[0].endswith("torchrun") and "mcore_compat" in argv:
                         argv = argv[argv.index("mcore_compat"):]
                     if argv and (argv[0].endswith("mcore-compat") or argv[0] == "mcore_compat"):
                         parser.parse_args(argv[1:])  # SystemExit(2) on an unknown subcommand or option

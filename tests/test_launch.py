@@ -55,6 +55,20 @@ def test_failure_names_the_rank_and_carries_its_traceback() -> None:
     assert "boom on purpose" in str(err.value)
 
 
+def _every_rank_raises() -> None:
+    import torch.distributed as dist
+
+    time.sleep(0.3 * dist.get_rank())  # rank 1 reports after rank 0 did
+    raise OSError(f"cannot load the checkpoint on rank {dist.get_rank()}")
+
+
+def test_a_failure_on_every_rank_names_every_rank() -> None:
+    with pytest.raises(RankFailure) as err:
+        spawn(_every_rank_raises, 2, timeout=120)
+    assert list(err.value.failures) == [0, 1], err.value.failures
+    assert err.value.summary.startswith("rank(s) 0, 1 failed: OSError: cannot load the checkpoint on rank 0")
+
+
 def test_hang_ends_at_the_deadline_naming_the_rank() -> None:
     start = time.monotonic()
     with pytest.raises(RankTimeout) as err:

@@ -492,6 +492,7 @@ def test_run_matrix_records_and_regenerates(tmp_path: Path, monkeypatch: pytest.
     ok = lambda name: results.JobResult(name, ok=True, passed=2)  # noqa: E731
     monkeypatch.setattr(scheduler, "run_unit", lambda env, out: ok("unit"))
     monkeypatch.setattr(scheduler, "run_lint", lambda env, out: ok("lint"))
+    monkeypatch.setattr(scheduler, "run_docs", lambda env, out: ok("docs"))
     monkeypatch.setattr(scheduler, "run_release", lambda env, rel, out: ok(rel.session))
     lines: list[str] = []
     assert scheduler.run_matrix(env, ["--tag", "", "--jobs", "2"], lines.append) == []  # "" is no release's tag
@@ -500,7 +501,7 @@ def test_run_matrix_records_and_regenerates(tmp_path: Path, monkeypatch: pytest.
     assert [(v, k) for v, k, _ in recorded] == [("0.9.0", "cpu"), ("0.17.0", "cpu")]
     assert recorded[0][2]["result"] == "pass" and recorded[0][2]["passed"] == 2
     assert lines[-1] == "regenerated matrix/README.md and recorded CPU results"
-    assert env.layout.summary_file.read_text().startswith("==== 8 passed in ")
+    assert env.layout.summary_file.read_text().startswith("==== 10 passed in ")
     assert json.dumps(recorded[0][2])  # JSON-able, as results.json needs
 
 

@@ -102,7 +102,8 @@ def test_submodules_are_mirrors_and_assignments_reach_megatron(mirror: dict[str,
     assert mirror["attributes"] == {"submodule_is_mirror": True, "function_is_real": True,
                                     "hasattr_missing_is_false": True, "attribute_error_is_symbol_unavailable": True,
                                     "from_import_missing": ("NameUnavailableError", True), "star_import": True,
-                                    "assignment_forwarded": True, "later_change_seen": True}
+                                    "assignment_forwarded": True, "later_change_seen": True,
+                                    "moved_assignment_forwarded": True}
 
 
 LAZY = """

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,32 @@ def test_check_fails_while_raw_imports_remain(client: Path, tmp_path: Path, caps
     clean = tmp_path / "clean.py"
     clean.write_text(fix_source(CLIENT))
     assert main(["scan", str(clean), "--check", "--release", "0.16.1"]) == 0
+
+
+def test_check_after_fix_says_what_to_edit_by_hand(client: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """After --fix only the line --fix leaves remains: --check names it and the hand edit, not --fix again."""
+    assert main(["scan", str(client), "--fix", "--release", "0.16.1"]) == 0
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "mcore-compat scan: rewrote 2 files"
+    one = client / "one.py"
+    one.write_text("from megatron.core import parallel_state\n")
+    assert main(["scan", str(one), "--fix", "--release", "0.16.1"]) == 0
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "mcore-compat scan: rewrote 1 file"
+    assert main(["scan", str(client), "--check", "--release", "0.16.1"]) == 1
+    [err] = capsys.readouterr().err.strip().splitlines()
+    assert "--fix" not in err.replace("which --fix leaves", ""), err
+    assert "edit 1 by hand" in err and "helper.py:1" in err
+    assert "'import mcore_compat.core.parallel_state as <name>'" in err
+
+
+def test_fix_without_libcst_says_so_in_one_line_before_anything(client: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "libcst", None)  # `import libcst` raises ImportError
+    before = (client / "pkg" / "train.py").read_text()
+    assert main(["scan", str(client), "--fix", "--release", "0.16.1"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert "needs libcst" in err and "pip install libcst" in err and "'.[scan]'" in err
+    assert "does not parse" not in err and (client / "pkg" / "train.py").read_text() == before
 
 
 def test_json_report(client: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -438,21 +438,50 @@ def test_the_time_table_is_rendered_from_the_recorded_timing() -> None:
     assert _timing_row("0.16.1", {"seconds": 1.0}) is None and _timing_row("0.16.1", None) is None
 
 
-def test_docs_session_builds_the_site_strictly_with_pinned_tools(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``nox -s docs``: not a default session, not in ``matrix``; ``mkdocs build --strict`` with the tools that
-    ci/matrix_env.py pins, which pyproject's ``docs`` extra repeats."""
+def test_docs_session_builds_the_site_strictly_with_pinned_tools(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``nox -s docs`` and the matrix's ``docs`` job: ``mkdocs build --strict`` with the tools that
+    ci/matrix_env.py pins (installed into ``.cache/docs-venv`` by the machinery itself, so a fresh CI machine
+    builds the site), which pyproject's ``docs`` extra repeats."""
     import tomllib
 
-    from ci import matrix_env
+    from ci import jobs, matrix_env, scheduler
 
     fake, registered = _fake_nox()
     nf = _load_noxfile_with(fake, monkeypatch)
-    assert registered["docs"]["default"] is False and registered["docs"]["python"] == nf.ENV.tools_python
-    calls: list[tuple[str, tuple[str, ...]]] = []
-    session = types.SimpleNamespace(posargs=[], install=lambda *a: calls.append(("install", a)),
-                                    run=lambda *a: calls.append(("run", a)))
-    registered["docs"]["func"](session)
-    assert calls == [("install", matrix_env.DOCS_TOOLS), ("run", ("mkdocs", "build", "--strict"))]
+    assert registered["docs"]["default"] is False and registered["docs"]["venv_backend"] == "none"
+    env = matrix_env.MatrixEnv(matrix_env.Layout(tmp_path), nf.ENV.matrix)
+    monkeypatch.setattr(matrix_env, "find_python", lambda python: "/fake/python")
+    seen: list[list[str]] = []
+
+    def run(self: object, argv: list[object], env: object = None, check: bool = True, cwd: object = None) -> int:
+        args = [str(a) for a in argv]
+        seen.append(args)
+        if args[1:3] == ["-m", "venv"]:
+            (Path(args[3]) / "bin").mkdir(parents=True)
+            (Path(args[3]) / "bin" / "python").write_text("")
+        return 0
+
+    monkeypatch.setattr(matrix_env.Out, "run", run)
+    for _ in range(2):  # the second run finds the stamped venv
+        res = jobs.run_docs(env, matrix_env.Out())
+        assert res.ok and res.name == "docs"
+    venv = str(tmp_path / ".cache" / "docs-venv")
+    assert seen[0] == ["/fake/python", "-m", "venv", venv]
+    assert seen[1] == [f"{venv}/bin/python", "-m", "pip", "install", *matrix_env.DOCS_TOOLS]
+    build = [f"{venv}/bin/python", "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / ".cache" / "site")]
+    assert seen[2:] == [build, build]
+    monkeypatch.setattr(matrix_env.Out, "run", lambda *a, **k: 1)
+    res = jobs.run_docs(env, matrix_env.Out())
+    assert not res.ok and res.errors == 1 and "mkdocs build --strict exited with status 1" in res.details
+    # the matrix runs it (a light job, started last, in parallel with the release sessions)
+    names: list[str] = []
+    monkeypatch.setattr(scheduler, "run_jobs", lambda e, job_list, parallel: names.extend(j.name for j in job_list)
+                        or [])
+    monkeypatch.setattr(scheduler, "report", lambda *a: [])
+    env.matrix = types.SimpleNamespace(releases=lambda: [], write_readme=lambda: tmp_path / "README.md")
+    scheduler.run_matrix(env, ["--no-record"], lambda line: None)
+    assert names == ["unit", "lint", "docs"]
     assert all("==" in tool for tool in matrix_env.DOCS_TOOLS)
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["docs"] == list(matrix_env.DOCS_TOOLS)
@@ -460,6 +489,20 @@ def test_docs_session_builds_the_site_strictly_with_pinned_tools(monkeypatch: py
     assert sybil and all(set(sybil) <= set(extras[e]) for e in ("test", "dev"))
     config = (ROOT / "mkdocs.yml").read_text()
     assert "strict: true" in config and "docs_dir: docs" in config
+
+
+def test_docs_pages_link_only_to_pages_of_the_site() -> None:
+    """mkdocs --strict fails on a relative link that leaves docs/ (e.g. ``../benchmarks/README.md``): every
+    relative link of docs/*.md names a page or file under docs/."""
+    import re
+
+    docs = ROOT / "docs"
+    for page in sorted(docs.glob("*.md")):
+        text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if "://" not in target and not target.startswith("mailto:"):
+                resolved = (docs / target).resolve()
+                assert resolved.is_relative_to(docs) and resolved.exists(), f"{page.name}: {target}"
 
 
 def test_the_checkpoint_loads_are_recorded_and_shown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -39,14 +39,14 @@ def test_a_release_for_another_python_gets_a_new_venv_on_the_python_found() -> N
     plan = plan_for(_release("0.19.2"), releases(), base_requirements("3.12"), running=PY311, gpu=False,
                     interpreter=lambda r: found)
     assert plan.ok and plan.fit is None
-    assert plan.commands[0] == f"{found.path} -m venv .venv-0.19.2"
-    assert plan.commands[1] == f".venv-0.19.2/bin/python -m pip install torch==2.13.0 --index-url {CPU_TORCH_INDEX}"
-    assert ".venv-0.19.2/bin/python -m pip install megatron-core==0.19.2" in plan.commands
-    assert plan.commands[-1] == ".venv-0.19.2/bin/mcore-compat doctor"
+    assert plan.commands[0] == f"{found.path} -m venv .venv312"
+    assert plan.commands[1] == f".venv312/bin/python -m pip install torch==2.13.0 --index-url {CPU_TORCH_INDEX}"
+    assert ".venv312/bin/python -m pip install megatron-core==0.19.2" in plan.commands
+    assert plan.commands[-1] == ".venv312/bin/mcore-compat doctor"
     assert any("not on PATH (pyenv)" in n for n in plan.notes) and any("CPU build" in n for n in plan.notes)
     with_gpu = plan_for(_release("0.19.2"), releases(), base_requirements("3.12"), running=PY311, gpu=True,
                         interpreter=lambda r: found)
-    assert with_gpu.commands[1] == ".venv-0.19.2/bin/python -m pip install torch==2.13.0"
+    assert with_gpu.commands[1] == ".venv312/bin/python -m pip install torch==2.13.0"
 
 
 def test_no_python_for_the_release_says_how_to_get_one() -> None:
@@ -118,3 +118,23 @@ def test_an_install_from_a_checkout_is_reinstalled_from_it(tmp_path: Path, monke
     gone = json.dumps({"url": (tmp_path / "gone").as_uri(), "dir_info": {}})
     monkeypatch.setattr(metadata, "distribution", lambda name: _Dist(gone))
     assert plan._installed_from() is None
+
+
+def test_doctor_for_says_what_to_do_under_the_cpu_index_command(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Without a GPU the torch line uses PyTorch's CPU index; where that index is unreachable pip answers
+    ResolutionImpossible: the fallback is printed right under that command, and the new venv has README's name."""
+    import functools
+
+    from mcore_compat.cli import doctor
+    from mcore_compat.support import plan as plan_module
+
+    found = Interpreter("/opt/py312/bin/python3.12", "3.12.4", "PATH")
+    monkeypatch.setattr(plan_module, "plan_for", functools.partial(plan_for, gpu=False, running=PY311,
+                                                                   interpreter=lambda release: found))
+    assert doctor._run_for("0.19.2", as_json=False) == 0
+    lines = capsys.readouterr().out.splitlines()
+    [i] = [n for n, line in enumerate(lines) if f"--index-url {CPU_TORCH_INDEX}" in line]
+    assert lines[i].strip().startswith(".venv312/bin/python -m pip install torch")
+    assert lines[i + 1].strip().startswith("# if pip cannot reach that index (ResolutionImpossible")
+    assert "without --index-url" in lines[i + 1]

@@ -45,7 +45,13 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit status (2 for bad arguments, with the usage of the subcommand they
-    were given to)."""
+    were given to; 141 with nothing printed when the reader of a pipe closed it, ``... | head``)."""
+    from .._pipes import exit_status
+
+    return exit_status(lambda: _main(argv))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser, commands = _build()
     args, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     if unknown:  # argparse would blame the top-level parser and print its usage, not the subcommand's

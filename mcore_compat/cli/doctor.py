@@ -42,9 +42,10 @@ def add_parser(sub: Any) -> None:
                    help="before installing release V: which Python it runs on, whether this one is it (else where "
                         "one was found: PATH, pyenv, uv), and the exact commands (a new venv where needed; torch's "
                         "CPU build without a GPU); nothing is installed or imported. Exit 1 if no Python for V "
-                        "was found")
+                        "was found (default: none, the report of this install)")
     p.add_argument("--expect-version", metavar="V",
-                   help="exit with status 1 unless the detected megatron-core is exactly version V")
+                   help="exit with status 1 unless the detected megatron-core is exactly version V (default: any "
+                        "supported release passes)")
     p.set_defaults(func=run)
 
 
@@ -244,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_for(wanted: str, *, as_json: bool) -> int:
     """``doctor --for V``: what release V needs of this machine and the commands (see :mod:`..support.plan`)."""
     from ..support import base_requirements, releases
-    from ..support.plan import plan_for
+    from ..support.plan import CPU_INDEX_FALLBACK, CPU_TORCH_INDEX, plan_for
 
     listed = releases()
     release = next((r for r in listed if str(r.version) == wanted.strip()), None)
@@ -272,6 +273,9 @@ def _run_for(wanted: str, *, as_json: bool) -> int:
     lines += [f"  note             {n}" for n in plan.notes]
     if plan.commands:
         lines.append("commands:")
-        lines += [f"  {c}" for c in plan.commands]
+        for c in plan.commands:
+            lines.append(f"  {c}")
+            if f"--index-url {CPU_TORCH_INDEX}" in c:  # said here, where the command fails, not only in a note
+                lines.append(f"    # {CPU_INDEX_FALLBACK}")
     print("\n".join(lines))
     return 0 if plan.ok else 1

@@ -36,7 +36,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--fix", action="store_true",
                    help="rewrite megatron.core to mcore_compat.core in the import lines (in place; idempotent; "
-                        "formatting and comments kept; needs libcst: pip install 'mcore-compat[scan]')")
+                        "formatting and comments kept; needs libcst: pip install libcst, or '.[scan]' in a checkout)")
     p.add_argument("--check", action="store_true",
                    help="exit 1 while raw megatron.core import lines remain (for a client's CI)")
     p.set_defaults(func=run)
@@ -75,6 +75,14 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     status = 0
     if args.fix:
+        from ..errors import MissingExtraError
+        from ..scan.fix import _libcst
+
+        try:
+            _libcst()
+        except MissingExtraError as exc:  # said before the report, which would bury it
+            _fail(str(exc))
+            return EXIT_FAIL
         status = _fix(paths)
     scan = scan_paths(paths)
     for error in scan.errors:
@@ -84,9 +92,7 @@ def run(args: argparse.Namespace) -> int:
     report = classify(scan, releases)
     print(json.dumps(report, indent=1) if args.json else render(report))
     if args.check and scan.raw_imports:
-        first = scan.raw_imports[0]
-        _fail(f"{len(scan.raw_imports)} raw megatron.core import lines remain (first: {first.file}:{first.line}); "
-              f"run '{_PROG} --fix'")
+        _fail(_check_advice(scan.raw_imports))
         status = EXIT_FAIL
     return status
 
@@ -107,5 +113,21 @@ def _fix(paths: list[Path]) -> int:
             except (OSError, ValueError, UnicodeDecodeError) as exc:
                 _fail(f"{path}: not rewritten: {exc}")
                 status = EXIT_FAIL
-    print(f"{_PROG}: rewrote {changed} files", file=sys.stderr)
+    print(f"{_PROG}: rewrote {changed} file{'' if changed == 1 else 's'}", file=sys.stderr)
     return status
+
+
+def _check_advice(raw: list[Any]) -> str:
+    """``--check``'s line: how many raw import lines remain and what clears them (``--fix`` rewrites the fixable
+    ones; the others, ``import megatron.core.x`` binding the name ``megatron``, are edited by hand)."""
+    fixable = [r for r in raw if r.fixable]
+    by_hand = [r for r in raw if not r.fixable]
+    parts = []
+    if fixable:
+        parts.append(f"run '{_PROG} --fix' for {len(fixable)} (first: {fixable[0].file}:{fixable[0].line})")
+    if by_hand:
+        first = by_hand[0]
+        parts.append(f"edit {len(by_hand)} by hand, which --fix leaves because they bind the name 'megatron' "
+                     f"(first: {first.file}:{first.line}: 'import {first.module}' -> 'import "
+                     f"{'mcore_compat.core' + first.module[len('megatron.core'):]} as <name>' and use <name>)")
+    return f"{len(raw)} raw megatron.core import lines remain: " + "; ".join(parts)

@@ -42,7 +42,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 1)")
     p.add_argument("--pp", type=int, default=None, help="pipeline-parallel size (default 1)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world/(tp*pp))")
-    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per pipeline rank (needs --pp >= 2)")
+    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per pipeline rank (needs --pp >= 2; default: none, one stage per rank)")
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                    help="sequence parallelism (default: on when --tp > 1)")
     p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True,
@@ -56,7 +56,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--dropout", type=float, default=0.0,
                    help="hidden and attention dropout of the GPT (default 0: off); the gradient reference replays "
                         "the step's random state, so it draws the same masks")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="the model params' dtype; bf16 keeps fp32 main params in the optimizer, as RL/SFT "
+                        "training does (default: fp32)")
     p.add_argument("--grad-reduce-in-fp32", action=argparse.BooleanOptionalAction, default=None,
                    help="keep and reduce gradients in fp32 (default: on for bf16)")
     p.add_argument("--bind", action=argparse.BooleanOptionalAction, default=True,
@@ -64,26 +66,33 @@ def add_parser(sub: Any) -> None:
                         "the pipeline gather (default: on)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda if available, else cpu with gloo and the CPU patches")
-    p.add_argument("--model", choices=("mlp", "gpt"), default="gpt")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--model", choices=("mlp", "gpt"), default="gpt",
+                   help="the model trained: a tiny GPT of Megatron's layers, or a tensor-parallel MLP (Megatron's "
+                        "column- then row-parallel linear layers; default: gpt)")
+    p.add_argument("--steps", type=int, default=3, help="training steps, each one proved (default: 3)")
+    p.add_argument("--lr", type=float, default=1e-2,
+                   help="the optimizer's learning rate (default: 1e-2; RL runs use 1e-7..1e-5, which the "
+                        "checks' rounding bounds cover too)")
     p.add_argument("--weight-decay", type=float, default=0.1,
                    help="weight decay of the weights; biases and norms get none (default 0.1)")
     p.add_argument("--decoupled-weight-decay", action=argparse.BooleanOptionalAction, default=True,
                    help="Adam's weight decay decoupled (AdamW, the default) or, with --no-decoupled-weight-decay, "
                         "L2 decay through the moments (OptimizerConfig.decoupled_weight_decay, 0.15+; older "
                         "releases are refused with the reason)")
-    p.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clipping threshold (0: off)")
+    p.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clipping threshold (0: off; default: 1.0)")
     p.add_argument("--offload-cycles", type=int, default=None, metavar="N",
                    help="offload/reload cycles (mcore_compat.offload/reload) between the steps, each proved: "
                         "device memory freed, everything back on its own storage bit for bit, host buffers "
                         "reused, and a verified step after it (default: 0; 2 with --sweep: a full cycle and one "
                         "that keeps the params)")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=1234,
+                   help="the seed of the model's initialisation and of the data (default: 1234)")
     p.add_argument("--fault", choices=sorted(FAULTS), default=None,
-                   help="inject a known fault to see the check that catches it FAIL (a negative control)")
+                   help="inject a known fault to see the check that catches it FAIL (a negative control; default: "
+                        "none)")
     p.add_argument("--json", metavar="PATH", type=Path, default=None,
-                   help="also write the report as JSON (checked to be writable before anything runs)")
+                   help="also write the report as JSON (checked to be writable before anything runs; default: "
+                        "none)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds the check may run once the ranks are up (their start-up, importing torch and "
                         "Megatron, is not counted); a hung run is stopped and each rank's Python stacks printed "

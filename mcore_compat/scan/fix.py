@@ -23,7 +23,8 @@ def _libcst() -> Any:
     try:
         import libcst
     except ImportError as exc:  # pragma: no cover - the scan extra is missing
-        raise MissingExtraError("scan --fix needs libcst: pip install 'mcore-compat[scan]'") from exc
+        raise MissingExtraError("--fix needs libcst, which is not installed: pip install libcst (in a checkout "
+                                "of mcore-compat: pip install '.[scan]'); nothing was scanned or rewritten") from exc
     return libcst
 
 
@@ -70,6 +71,7 @@ def fix_file(path: Path) -> bool:
     source = path.read_text(encoding="utf-8")
     if OLD not in source:  # nothing to rewrite: not parsed (most of a client's files)
         return False
+    _libcst()  # a missing libcst is not a file that does not parse
     try:
         fixed = fix_source(source)
     except Exception as exc:  # libcst.ParserSyntaxError

@@ -44,6 +44,12 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m mcore_compat.support {render,status,list}``."""
+    args = _build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m mcore_compat.support``."""
     parser = argparse.ArgumentParser(prog="python -m mcore_compat.support", description=_DESCRIPTION)
     parser.add_argument("--matrix-dir", default=None, help="the matrix/ directory (default: the source tree's)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -51,10 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 if matrix/README.md is stale, write nothing")
     p.set_defaults(func=_cmd_render)
     p = sub.add_parser("status", help="is VERSION supported? (exit 1 unless it is a listed release)")
-    p.add_argument("version")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("version", help="a megatron-core version, e.g. 0.16.1")
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
     p.set_defaults(func=_cmd_status)
     sub.add_parser("list", help="the listed releases, with the Python they are tested on and their limits "
                                 "(python, torch, numpy, setuptools)").set_defaults(func=_cmd_list)
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    return parser

@@ -77,6 +77,11 @@ class Plan:
         return self.interpreter is not None
 
 
+#: Printed under a command that installs torch from :data:`CPU_TORCH_INDEX` (``doctor --for``): what to do when
+#: pip answers ``ResolutionImpossible`` or finds no matching distribution because the index is unreachable.
+CPU_INDEX_FALLBACK = ("if pip cannot reach that index (ResolutionImpossible, no matching distribution): run the "
+                      "same command without --index-url (pip then takes the CUDA build from PyPI, which also runs on "
+                      "a CPU)")
 _CPU_NOTE = ("no GPU here: torch's CPU build from PyTorch's CPU index (this project's 3.11 venv with it: 1.1 GB; its "
              "3.12 venv with the CUDA build: 4.7 GB); where that index cannot be reached, drop --index-url and pip "
              "takes the CUDA build")
@@ -199,7 +204,8 @@ def plan_for(release: Release, releases: Sequence[Release], base_requirements: S
         gpu: whether a GPU is present (default: ``nvidia-smi`` on PATH or ``/dev/nvidia0``).
         running: the running interpreter (default: this one).
         interpreter: finds an interpreter for a release (default: :func:`find_interpreter`).
-        venv: the directory of a new environment (default: ``.venv-<V>``).
+        venv: the directory of a new environment (default: ``.venv<python without the dot>``, e.g. ``.venv312``,
+            the name README.md uses).
     """
     gpu = _has_gpu() if gpu is None else gpu
     here = running or Interpreter(sys.executable, platform.python_version(), "running")
@@ -228,7 +234,7 @@ def plan_for(release: Release, releases: Sequence[Release], base_requirements: S
     if found.found_by != "PATH":
         notes.append(f"Python {found.version} is installed but not on PATH ({found.found_by}): the commands use "
                      f"its full path")
-    target = venv or f".venv-{release.version}"
+    target = venv or f".venv{release.python.replace('.', '')}"
     py = shlex.quote(f"{target}/bin/python")
     torch_cmd = f"{py} -m pip install {shlex.quote(torch_req[0]) if torch_req else 'torch'}"
     if not gpu:
