@@ -17,7 +17,7 @@ The fixtures that tests/test_checkpoint_cross.py loads in every release session 
 2 steps, saved with mcore_compat.save_checkpoint, and its reference values) into tests/data/checkpoints/<A>/;
 ``--check`` writes them again into a temporary directory on each release and compares them with the committed
 ones: the manifest's fields (but the writers' mcore_compat and torch versions and the shard sizes, which depend
-on the torch that wrote the zip files), the TP record, and every value of every shard and of the reference (bit for
+on the torch that wrote the zip files, and so the checksums file, which the fixtures predate), the TP record, and every value of every shard and of the reference (bit for
 bit, dtypes and shapes included). Exit status 1 when one differs (then --write-fixtures, and commit).
 """
 

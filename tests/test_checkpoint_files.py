@@ -168,3 +168,144 @@ def test_tp_reshard_refusals() -> None:
         reshard("w", shards, Split(0), Split(1), 0, 4, (16, 4), "resume at TP=2")
     with pytest.raises(CheckpointReshardError, match="copies on the checkpoint's TP ranks differ"):
         same_copies("amax", [torch.zeros(2), torch.ones(2)], "resume at TP=2")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# atomic, durable, checksummed saves; every failure named in one line, the previous checkpoint kept exact
+# ---------------------------------------------------------------------------------------------------------------
+
+def _weights(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def _loads_exact(path: Path, seed: int, iteration: int) -> None:
+    target = _model(1)
+    loaded = mc.load_checkpoint(path, target)
+    assert loaded.iteration == iteration and loaded.checksums_verified
+    assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), _model(seed).state_dict().values(),
+                                                 strict=True))
+
+
+def _disk_full(monkeypatch: pytest.MonkeyPatch, after: int = 0) -> None:
+    """torch.save fails as it does on a full disk (its zip writer's "unexpected pos"), with ``after`` bytes free."""
+    import collections
+    import shutil
+
+    from mcore_compat.checkpoint import save
+
+    def full(obj: object, f: object, *a: object, **k: object) -> None:
+        Path(str(f)).write_bytes(b"x" * after)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(save.torch, "save", full)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - after, after))
+
+
+def test_failed_resave_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A re-save to the same path that fails (disk full mid-shard, at its first byte): one line naming the cause with
+    the bytes needed and free, no partial files left, the previous checkpoint loads exactly."""
+    path = _saved(tmp_path)
+    for after in (0, 300):
+        with monkeypatch.context() as mp:
+            _disk_full(mp, after)
+            with pytest.raises(mc.CheckpointError) as info:
+                mc.save_checkpoint(path, _model(5), iteration=8)
+        text = str(info.value)
+        assert "\n" not in text and "rank 0: no space left on device writing" in text and "needs about" in text \
+            and "free" in text, text
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # the staging directory is gone
+        _loads_exact(path, 0, 7)
+    mc.save_checkpoint(path, _model(5), iteration=8)  # and a good re-save replaces it
+    _loads_exact(path, 5, 8)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_save_refusals_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A path that is a file (or below one), a directory holding other files, permission denied: one line each,
+    nothing written."""
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("keep me")
+    cases = {tmp_path / "f": "is a file, not a directory", tmp_path / "f" / "c": "is a file, not a directory",
+             tmp_path / "other": "holds files that are not part of an mcore_compat checkpoint (notes.txt)"}
+    for path, words in cases.items():
+        with pytest.raises(mc.CheckpointError) as info:
+            mc.save_checkpoint(path, _model(0))
+        assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert (tmp_path / "other" / "notes.txt").read_text() == "keep me"
+
+    def denied(self: Path, *a: object, **k: object) -> None:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", denied)
+    with pytest.raises(mc.CheckpointError, match=r"failed on 1 rank\(s\): rank 0: permission denied: \S+: make it "
+                                                 r"writable"):
+        mc.save_checkpoint(tmp_path / "c", _model(0))
+
+
+@pytest.mark.parametrize("where", ["middle"])
+def test_flipped_byte_refused_naming_shard_and_tensor(tmp_path: Path, where: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """One byte flipped in a shard: the load refuses naming the shard (and the tensor, when the file still
+    loads), nothing loaded; ``inspect --verify`` exits 1 naming it; without the checksums file (a checkpoint
+    written before them) nothing is verified."""
+    path = tmp_path / "ckpt"
+    mc.save_checkpoint(path, torch.nn.Linear(256, 4), iteration=1)
+    shard = path / man.shard_name(0)
+    data = bytearray(shard.read_bytes())
+    weight = torch.load(shard, weights_only=True)["model"][0]["weight"]
+    at = bytes(data).find(weight.numpy().tobytes()[:32]) + 500 if where == "middle" else len(data) - 30
+    data[at] ^= 0x01
+    shard.write_bytes(bytes(data))
+    target = torch.nn.Linear(256, 4)
+    before = _weights(target)
+    with pytest.raises(mc.CheckpointError) as info:
+        mc.load_checkpoint(path, target)
+    text = str(info.value)
+    assert f"shard {shard} fails its checksum" in text and "\n" not in text, text
+    if where == "middle":
+        assert "tensor model[0].weight differs" in text, text
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+    assert main(["checkpoint", "inspect", str(path), "--verify"]) == 1
+    out = capsys.readouterr()
+    assert "fails its checksum" in out.err and out.err.count("\n") == 1
+    (path / man.CHECKSUMS).unlink()
+    assert main(["checkpoint", "inspect", str(path), "--verify"]) in (0, 1)
+    assert "nothing to verify" in capsys.readouterr().out
+
+
+def test_old_checkpoint_without_checksums_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint written before checksums (no checksums file) loads, saying nothing was verified."""
+    path = _saved(tmp_path)
+    (path / man.CHECKSUMS).unlink()
+    assert not mc.load_checkpoint(path, _model(1)).checksums_verified
+    assert main(["checkpoint", "inspect", str(path), "--verify"]) == 0
+    assert "no checksum recorded" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_stale_marker_of_a_dead_writer(tmp_path: Path, complete: bool) -> None:
+    """A marker left in place (by an mcore_compat before atomic saves) whose writer pid is dead on this host: an
+    interrupted save; complete -> remove only the marker; incomplete -> load an earlier one or save again. Never
+    'delete the directory'."""
+    import socket
+    import subprocess
+    import sys
+
+    path = _saved(tmp_path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    (path / man.MARKER).write_text(json.dumps({"pid": int(dead), "host": socket.gethostname(), "started": "x"}))
+    if not complete:
+        (path / man.shard_name(0)).unlink()
+    with pytest.raises(mc.CheckpointError) as info:
+        mc.load_checkpoint(path, _model(1))
+    text = str(info.value)
+    assert "was interrupted" in text and "is gone" in text and "delete" not in text and "\n" not in text, text
+    if complete:
+        assert f"remove only the file {path / man.MARKER}" in text, text
+        (path / man.MARKER).unlink()
+        _loads_exact(path, 0, 7)
+    else:
+        assert "holds no complete checkpoint" in text, text

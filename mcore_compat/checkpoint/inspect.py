@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .files import verify_shard
 from .manifest import FORMAT, Manifest, read_manifest
 from .megatron_files import is_megatron_checkpoint
 from .megatron_inspect import FORMAT_NAME, inspect_megatron, render_megatron
@@ -53,10 +54,19 @@ def _describe(value: Any) -> dict[str, Any]:
     return {"type": type(value).__name__}
 
 
-def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+def _verify(root: Path, manifest: Manifest) -> dict[str, str]:
+    """Per shard: ``"ok"``, ``"no checksum recorded"`` or the mismatch (:func:`.files.verify_shard`)."""
+    recorded = (manifest.checksums or {}).get("shards") or {}
+    return {f.name: "no checksum recorded" if f.name not in recorded
+            else (verify_shard(root / f.name, recorded[f.name], f.name) or "ok") for f in manifest.files}
+
+
+def inspect_checkpoint(path: str | os.PathLike[str], verify: bool = False) -> dict[str, Any]:
     """The manifest, and of the first shard: each chunk's tensors (name, shape, dtype), the optimizer's records
     (param, range, state names) and what else it holds; who can load what, and at which other sizes (``reshard``:
-    per dimension, yes or why not). For a directory Megatron's dist_checkpointing wrote:
+    per dimension, yes or why not); ``checksums``: the algorithm, or ``None`` for a checkpoint written before
+    checksums (nothing to verify). With ``verify``, ``verified``: per shard ``"ok"``, ``"no checksum recorded"`` or
+    the mismatch (every shard's file read and hashed). For a directory Megatron's dist_checkpointing wrote:
     :func:`~.megatron_inspect.inspect_megatron`.
 
     Raises:
@@ -81,6 +91,8 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
                        "torch": manifest.torch},
         "loadable": LOADABLE if manifest.format == FORMAT else {},
         "reshard": _reshard(manifest),
+        "checksums": (manifest.checksums or {}).get("algorithm"),
+        **({"verified": _verify(root, manifest)} if verify else {}),
     }
 
 
@@ -99,6 +111,7 @@ def render(info: dict[str, Any]) -> str:
              f"{', scheduler' if m['has_scheduler'] else ''}, rng, iteration {m['iteration']}"
              f"{', extra ' + ','.join(info['extra']) if info['extra'] else ''}",
              f"  shards        {len(m['files'])} files, {sum(f['bytes'] for f in m['files'])} bytes",
+             f"  checksums     {info.get('checksums') or 'none recorded (written before checksums): nothing to verify'}",
              f"  {info['shard']}:"]
     for i, chunk in enumerate(info["model"]):
         lines.append(f"    chunk {i}: {len(chunk)} entries")
@@ -109,6 +122,9 @@ def render(info: dict[str, Any]) -> str:
         for r in info["optimizer"]:
             rng = "all" if r["range"][0] is None else f"[{r['range'][0]}:{r['range'][1]}]"
             lines.append(f"      {r['key']:60s} {rng} of {r['numel']}  state {','.join(r['state']) or '-'}")
+    if "verified" in info:
+        lines.append("  verify")
+        lines.extend(f"    {name:16s} {text}" for name, text in info["verified"].items())
     lines.append("  loadable")
     lines.extend(f"    {part:10s} {text}" for part, text in info["loadable"].items())
     lines.append("  at another size")

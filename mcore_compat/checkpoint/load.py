@@ -31,6 +31,7 @@ from .errors import (
     CheckpointMismatchError,
     CheckpointReshardError,
 )
+from .files import verify_shard
 from .manifest import FORMAT, Manifest, ShardFile, read_manifest
 from .megatron_files import is_megatron_checkpoint
 from .pp import restage
@@ -54,6 +55,8 @@ class LoadedCheckpoint:
             directory (:class:`~.megatron.LoadedMegatronCheckpoint`).
         rng_restored: the RNG states were restored (same layout as at save; after a reshard they are not).
         optimizer_loaded: the optimizer's state was loaded.
+        checksums_verified: every shard this rank read matched its recorded checksum (``False``: written before
+            checksums, nothing to verify; or ``verify=False``).
     """
 
     iteration: int | None
@@ -61,6 +64,7 @@ class LoadedCheckpoint:
     manifest: Manifest | None
     rng_restored: bool
     optimizer_loaded: bool
+    checksums_verified: bool = False
 
 
 @dataclass
@@ -76,6 +80,9 @@ class _Plan:
     result: LoadedCheckpoint | None = None
     saved: set[str] = field(default_factory=set)  # at a PP change: the ids the checkpoint holds (:mod:`.pp`)
     used: set[str] = field(default_factory=set)  # and those this rank loads
+    manifest: Manifest | None = None
+    verify: bool = True  # check each shard read against its recorded checksum
+    verified: bool = False  # and did so (the checkpoint has checksums)
 
     def apply(self) -> None:
         with torch.no_grad():
@@ -93,7 +100,13 @@ class _Plan:
             restore_rng(self.rng)
 
 
-def _read_shard(root: Path, shard: ShardFile) -> dict[str, Any]:
+def _read_shard(root: Path, shard: ShardFile, manifest: Manifest | None = None, verify: bool = False) \
+        -> dict[str, Any]:
+    recorded = ((manifest.checksums or {}).get("shards") or {}).get(shard.name) if manifest is not None else None
+    if verify and recorded is not None:
+        bad = verify_shard(root / shard.name, recorded, str(root / shard.name))
+        if bad is not None:
+            raise CheckpointFormatError(bad)
     try:
         data = torch.load(root / shard.name, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
@@ -352,7 +365,7 @@ def _plan_pp(plan: _Plan, root: Path, manifest: Manifest, chunks: list[Any], opt
     """Plan a load at another pipeline size (:mod:`.pp`): the model and optimizer values of this rank's layers
     and stage-specific tensors, from whichever saved stage holds them. Returns the source file and its shard."""
     files, source_file = _pp_source(root, manifest, chunks, where)
-    shards = {f.name: _read_shard(root, f) for f in files}
+    shards = {f.name: _read_shard(root, f, plan.manifest, plan.verify) for f in files}
     saved_pp = manifest.layout["pp"]
     hint = f"resume at PP={saved_pp} (or export full weights with mcore_compat.gather_full)"
     staged = restage(list(shards.values()), manifest.pipeline or {}, saved_pp, chunks, where.tp, _assemble, hint)
@@ -367,10 +380,11 @@ def _plan_pp(plan: _Plan, root: Path, manifest: Manifest, chunks: list[Any], opt
     return source_file, source
 
 
-def _plan(root: Path, chunks: list[Any], optimizer: Any, scheduler: Any, strict: bool, where: Coords) -> _Plan:
+def _plan(root: Path, chunks: list[Any], optimizer: Any, scheduler: Any, strict: bool, where: Coords,
+          verify: bool = True) -> _Plan:
     manifest = read_manifest(root)
     _check_layout(root, manifest, where)
-    plan = _Plan()
+    plan = _Plan(manifest=manifest, verify=verify, verified=verify and manifest.checksums is not None)
     if manifest.layout["pp"] != where.pp_size:
         source_file, source = _plan_pp(plan, root, manifest, chunks, optimizer, strict, where)
     else:
@@ -394,7 +408,8 @@ def _plan(root: Path, chunks: list[Any], optimizer: Any, scheduler: Any, strict:
     plan.rng = source["rng"] if own else None
     plan.result = LoadedCheckpoint(iteration=source["iteration"], extra=source["extra"], manifest=manifest,
                                    rng_restored=own,
-                                   optimizer_loaded=optimizer is not None and source["optimizer"] is not None)
+                                   optimizer_loaded=optimizer is not None and source["optimizer"] is not None,
+                                   checksums_verified=plan.verified)
     return plan
 
 
@@ -409,7 +424,7 @@ def _plan_same_pp(plan: _Plan, root: Path, manifest: Manifest, chunks: list[Any]
     if optimizer is not None:
         wanted += [f for f in manifest.files if f.coords["pp"] == where.pp and f not in wanted
                    and (tp is not None or f.coords["tp"] == where.tp)]
-    shards = {f.name: _read_shard(root, f) for f in wanted}
+    shards = {f.name: _read_shard(root, f, plan.manifest, plan.verify) for f in wanted}
     source = shards[source_file.name]
     models = [shards[f.name]["model"] for f in model_files]
     _model_copies(plan, chunks, models, strict, source_file.name, tp)
@@ -449,7 +464,7 @@ def _unplaced(plan: _Plan, used: list[set[str]]) -> None:
 
 
 def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = None, *, scheduler: Any = None,
-                    strict: bool = True) -> LoadedCheckpoint:
+                    strict: bool = True, verify: bool = True) -> LoadedCheckpoint:
     """Load a checkpoint written by :func:`~.save.save_checkpoint` into the model chunks (and optimizer,
     scheduler), in place. Call it on every rank, after building the model and optimizer as for training.
 
@@ -465,6 +480,8 @@ def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
         scheduler: the scheduler to load (``load_state_dict``), or ``None``.
         strict: refuse a checkpoint whose names differ from the model's (or that lacks optimizer / scheduler
             state asked for); ``False`` loads what both have. Shapes and dtypes must always match.
+        verify: check every shard this rank reads against the checksum recorded at save (one more read of the
+            file); a checkpoint written before checksums has none to verify (``checksums_verified`` is ``False``).
 
     Each error below is raised on every rank when any rank refuses; nothing is loaded then.
 
@@ -473,8 +490,8 @@ def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
         after a TP, PP or DP change).
 
     Raises:
-        CheckpointFormatError: not a (complete) checkpoint of this format: no manifest, a shard missing or
-            truncated.
+        CheckpointFormatError: not a (complete) checkpoint of this format: no manifest, a shard missing,
+            truncated or failing its checksum (the message names the shard, and the tensor where it still loads).
         CheckpointInProgressError: another process is writing it (or died doing so).
         CheckpointMismatchError: it does not fit the model / optimizer / scheduler (at a PP change also: another
             layer count or tied-embedding setting, a saved tensor no rank takes with ``strict``).
@@ -490,7 +507,7 @@ def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
 
         return load_megatron(Path(path), chunk_list, optimizer, scheduler, strict, where)
     try:
-        plan = _plan(Path(path), chunk_list, optimizer, scheduler, strict, where)
+        plan = _plan(Path(path), chunk_list, optimizer, scheduler, strict, where, verify)
     except Exception as exc:
         _agree((type(exc).__name__, str(exc), where.rank))
         raise

@@ -1,16 +1,22 @@
-"""``save_checkpoint``: every rank writes its shard; rank 0 writes the manifest last.
+"""``save_checkpoint``: every rank writes its shard into a staging directory; rank 0 writes the manifest and
+publishes the checkpoint with one rename.
 
-Order on disk: the in-progress marker, an older checkpoint's manifest and shards removed, every rank's shard
-(written to a temporary name and renamed), the manifest, the marker removed. A reader therefore sees either a
-complete checkpoint or the marker (:class:`~.errors.CheckpointInProgressError`), never a mix of two saves.
+Order on disk: a hidden staging sibling (:func:`.files.stage_name`) with the in-progress marker; every rank's
+shard (written to a temporary name, hashed as written, fsynced, renamed); the records, the checksums and the
+manifest (fsynced); the marker removed and the directory fsynced; then the staging directory renamed to the
+checkpoint's name (an older checkpoint there swapped out and removed only after that, :func:`.files.publish`) and
+the parent directory fsynced. A killed or failed save therefore leaves the previous checkpoint at ``path`` as it
+was, and a reader never sees a mix of two saves. Every error on any rank (before the first shard too: a path that
+is a file, permission denied, a full disk) is agreed by all ranks and raised on each as one line naming the rank
+and the cause; the staging directory is removed then.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
+import errno
 import os
-import socket
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +25,18 @@ import torch
 from .._version import __version__
 from .coords import Coords, coords
 from .errors import CheckpointError
+from .files import (
+    ALGORITHM,
+    describe,
+    file_checksum,
+    fsync_dir,
+    fsync_file,
+    publish,
+    stage_name,
+    tensor_checksums,
+)
 from .manifest import (
+    CHECKSUMS,
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
@@ -28,6 +45,8 @@ from .manifest import (
     TP_RECORD,
     ShardFile,
     manifest_dict,
+    marker_data,
+    marker_state,
     shard_name,
     write_json,
 )
@@ -59,14 +78,50 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _start(root: Path) -> None:
-    """Rank 0: create the directory, the marker, and remove what an earlier save left there."""
-    root.mkdir(parents=True, exist_ok=True)
-    write_json(root / MARKER, {"pid": os.getpid(), "host": socket.gethostname(),
-                               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
-    (root / MANIFEST).unlink(missing_ok=True)
-    for old in root.glob("rank_*.pt"):
-        old.unlink()
+#: What a checkpoint directory may hold; a save refuses to replace a directory holding anything else.
+_OURS = (MANIFEST, MARKER, TP_RECORD, PP_RECORD, CHECKSUMS)
+
+
+def _start(root: Path, durable: bool) -> Path:
+    """Rank 0: check ``root`` can be replaced, create the staging directory with the marker; returns it."""
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(20, "not a directory", str(root))
+    if root.is_dir():
+        foreign = sorted(p.name for p in root.iterdir()
+                         if not (p.name in _OURS or p.name.startswith("rank_") or p.name.endswith(".tmp")))
+        if foreign:
+            raise CheckpointError(f"{root} holds files that are not part of an mcore_compat checkpoint "
+                                  f"({', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}); a save replaces "
+                                  "the whole directory: save to a new or empty directory")
+    stage = stage_name(root)
+    if stage.exists():  # left by an earlier save: removed unless its writer still runs on this host
+        state, by = marker_state(stage / MARKER)
+        if state == "alive" and (stage / MARKER).exists():
+            raise CheckpointError(f"another save to {root} is running{by} (its staging directory {stage} is there):"
+                                  " wait for it, or save elsewhere")
+        shutil.rmtree(stage)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    stage.mkdir()
+    write_json(stage / MARKER, marker_data(), durable)
+    return stage
+
+
+def _needed(payload: Any) -> int:
+    """The bytes of the tensors in ``payload`` (about what its shard needs on disk)."""
+    if isinstance(payload, torch.Tensor):
+        return payload.untyped_storage().nbytes() if payload.numel() else 0
+    if isinstance(payload, dict):
+        return sum(_needed(v) for v in payload.values())
+    if isinstance(payload, (list, tuple)):
+        return sum(_needed(v) for v in payload)
+    return 0
+
+
+def _agree(what: str, status: str | None) -> None:
+    """Raise on every rank the first rank's failure of ``what`` (``status``: this rank's one-line failure)."""
+    failed = [s for s in _gather(status) if s is not None]
+    if failed:
+        raise CheckpointError(f"{what} failed on {len(failed)} rank(s): {failed[0]}")
 
 
 def _version() -> str:
@@ -135,9 +190,15 @@ def _payload(chunks: list[Any], optimizer: Any, scheduler: Any, extra: Any, iter
 
 
 def save_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = None, *, scheduler: Any = None,
-                    extra: dict[str, Any] | None = None, iteration: int | None = None) -> Path:
+                    extra: dict[str, Any] | None = None, iteration: int | None = None,
+                    unsafe_skip_fsync: bool = False) -> Path:
     """Save the model chunks, optimizer, scheduler, RNG states, ``iteration`` and ``extra`` to the directory
-    ``path`` (created; an earlier checkpoint there is replaced). Call it on every rank, between steps.
+    ``path``. Call it on every rank, between steps.
+
+    Atomic and durable: the checkpoint is written into a hidden sibling directory, every shard, record and the
+    manifest fsynced, and published with one rename; an earlier checkpoint at ``path`` is removed only after the
+    new one is complete and on disk, so a killed or failed save leaves it loadable as it was. Each shard's and each
+    host tensor's checksum (XXH3-64) is recorded and verified by :func:`~.load.load_checkpoint`.
 
     The format (``mcore_compat.torch``, :mod:`.manifest`) is the same on every release 0.4 ... 0.19: per-rank
     torch files of plain tensors, the optimizer's main params and moments stored per model parameter and
@@ -153,50 +214,98 @@ def save_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
         extra: a dict of tensors and plain Python values (str, int, float, bool, None, lists and dicts of them),
             each rank's own.
         iteration: the training iteration, returned by :func:`~.load.load_checkpoint`.
+        unsafe_skip_fsync: skip every fsync (faster on a slow filesystem); UNSAFE: after a machine crash the
+            checkpoint, and the previous one it replaced, may be lost or incomplete.
 
     Returns:
         The checkpoint directory.
 
     Raises:
-        CheckpointError: ``extra`` holds something the weights-only loader cannot read, the optimizer's state
-            cannot be read (a precision-aware optimizer), a rank failed to write (raised on every rank; the marker
-            stays, so the directory reads as unfinished).
+        CheckpointError: on every rank, one line naming the first failing rank and the cause: ``extra`` holds
+            something the weights-only loader cannot read, the optimizer's state cannot be read (a
+            precision-aware optimizer), ``path`` is a file or holds other files, permission denied, no space
+            left (with the bytes needed and free), any other write error. The previous checkpoint at ``path`` is
+            unchanged and the partial files are removed.
     """
     chunk_list = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
-    if extra is not None:
-        check_plain(extra)
+    durable = not unsafe_skip_fsync
     root = Path(path)
     where = coords(len(chunk_list))
-    if where.rank == 0:
-        _start(root)
-    _barrier()
-    entry: dict[str, Any] | str
+    stage: Path | None = None
+    status: str | None = None
     try:
-        file = root / shard_name(where.rank)
-        tmp = file.with_name(file.name + ".tmp")
+        if extra is not None:
+            check_plain(extra)
+        if where.rank == 0:
+            stage = _start(root, durable)
+    except Exception as exc:  # every rank must learn of it, or the others would wait forever
+        status = f"rank {where.rank}: {describe(exc, root)}"
+    try:
+        _agree(f"saving {root}", status)
+    except CheckpointError:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+        raise
+    stage = stage_name(root)
+    entry: dict[str, Any] | str
+    tmp = stage / (shard_name(where.rank) + ".tmp")
+    needed: int | None = None
+    try:
+        file = stage / shard_name(where.rank)
         payload = _payload(chunk_list, optimizer, scheduler, extra, iteration, where)
-        with _without_crc32():
-            torch.save(payload, tmp)
+        needed = _needed(payload)
+        sums = tensor_checksums(payload)
+        try:
+            with _without_crc32():
+                torch.save(payload, tmp)
+        except RuntimeError as exc:  # torch reports a full disk as "unexpected pos" from its zip writer
+            if shutil.disk_usage(stage).free < needed:
+                raise OSError(errno.ENOSPC, "No space left on device", str(tmp)) from exc
+            raise
+        checksum = file_checksum(tmp)
+        if durable:
+            fsync_file(tmp)
         del payload
         os.replace(tmp, file)
         first = where.tp == where.dp == where.ep == 0  # one rank per pipeline stage sends its record
         entry = {"name": file.name, "bytes": file.stat().st_size, "coords": where.as_dict(),
                  "splits": split_record(chunk_list) if first else {},
-                 "stage": stage_record(chunk_list) if first else None}
-    except Exception as exc:  # every rank must learn of it, or the others would wait forever
-        entry = f"rank {where.rank}: {type(exc).__name__}: {exc}"
+                 "stage": stage_record(chunk_list) if first else None,
+                 "checksum": {"file": checksum, "tensors": sums}}
+    except Exception as exc:
+        entry = f"rank {where.rank}: {describe(exc, stage, needed)}"
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     entries = _gather(entry)
     failed = [e for e in entries if isinstance(e, str)]
-    if failed:
-        raise CheckpointError(f"saving {root} failed on {len(failed)} rank(s): {failed[0]}")
-    if where.rank == 0:
-        write_json(root / TP_RECORD, _tensor_parallel([e for e in entries if isinstance(e, dict)]))
-        write_json(root / PP_RECORD, _pipeline([e for e in entries if isinstance(e, dict)]))
-        write_json(root / MANIFEST, manifest_dict(
-            format=FORMAT, format_version=FORMAT_VERSION, mcore_compat=__version__, megatron_core=_version(),
-            torch=torch.__version__, layout=where.layout(), distributed_optimizer=_distributed_optimizer(chunk_list),
-            has_optimizer=optimizer is not None, has_scheduler=scheduler is not None, iteration=iteration,
-            files=[ShardFile(**e) for e in entries]))
-        (root / MARKER).unlink()
-    _barrier()
+    status = None
+    if not failed and where.rank == 0:
+        try:
+            _finish(root, stage, entries, where, chunk_list, optimizer, scheduler, iteration, durable)
+        except Exception as exc:
+            status = f"rank 0: {describe(exc, stage)}"
+    elif failed:
+        status = failed[0]
+    if status is not None and where.rank == 0:
+        shutil.rmtree(stage, ignore_errors=True)
+    _agree(f"saving {root}", status)
     return root
+
+
+def _finish(root: Path, stage: Path, entries: list[Any], where: Coords, chunk_list: list[Any], optimizer: Any,
+            scheduler: Any, iteration: int | None, durable: bool) -> None:
+    """Rank 0: the records, checksums and manifest into ``stage``, the marker removed, then published."""
+    shards = [e for e in entries if isinstance(e, dict)]
+    sums = {"algorithm": ALGORITHM, "shards": {e["name"]: e.pop("checksum") for e in shards}}
+    write_json(stage / TP_RECORD, _tensor_parallel(shards), durable)
+    write_json(stage / PP_RECORD, _pipeline(shards), durable)
+    write_json(stage / CHECKSUMS, sums, durable)
+    write_json(stage / MANIFEST, manifest_dict(
+        format=FORMAT, format_version=FORMAT_VERSION, mcore_compat=__version__, megatron_core=_version(),
+        torch=torch.__version__, layout=where.layout(), distributed_optimizer=_distributed_optimizer(chunk_list),
+        has_optimizer=optimizer is not None, has_scheduler=scheduler is not None, iteration=iteration,
+        files=[ShardFile(**e) for e in shards]), durable)
+    (stage / MARKER).unlink()
+    if durable:
+        fsync_dir(stage)
+    publish(stage, root, durable)

@@ -23,6 +23,8 @@ def add_parser(sub: Any) -> None:
     insp = actions.add_parser("inspect", help="what is inside a checkpoint")
     insp.add_argument("path", metavar="PATH", help="the checkpoint directory")
     insp.add_argument("--json", action="store_true", help="print the report as JSON")
+    insp.add_argument("--verify", action="store_true", help="read every shard and check it against its recorded "
+                                                            "checksum; exit 1 (one line naming the shard) if one differs")
     insp.set_defaults(func=run_inspect)
     p.set_defaults(func=lambda args: p.error("say what to do: 'checkpoint inspect PATH'"))
 
@@ -33,9 +35,13 @@ def run_inspect(args: argparse.Namespace) -> int:
     from ..checkpoint.inspect import render
 
     try:
-        info = inspect_checkpoint(args.path)
+        info = inspect_checkpoint(args.path, verify=getattr(args, "verify", False))
     except CheckpointError as exc:
         print(f"mcore-compat checkpoint inspect: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(info, indent=1) if args.json else render(info))
+    bad = [text for text in (info.get("verified") or {}).values() if text not in ("ok", "no checksum recorded")]
+    if bad:
+        print(f"mcore-compat checkpoint inspect: {bad[0]}", file=sys.stderr)
+        return 1
     return 0
