@@ -341,6 +341,7 @@ OWN_MODEL = {
     "good-bf16": (True, set(), set()),
     "good-bf16-snapshot": (True, set(), set()),
     "good-pp2": (True, set(), set()),
+    "fd-pp2": (True, set(), set()),
     "good-no-reference": (True, set(), {"grads_match_reference"}),
     "no-hook": (False, {"training_hooks_installed", "grads_match_reference"}, set()),
     "rebind-after-bind": (False, {"binding_verified", "bound_buffer_current"}, set()),
@@ -372,6 +373,11 @@ def test_check_training_step_on_own_model(own_model: dict[str, dict], case: str)
             "model_params_match_main", "binding_verified", "bound_buffer_current"} <= set(statuses)
     if case == "good-pp2":
         assert statuses["pipeline_gather_matches"] == "PASS"
+    if case == "fd-pp2":  # asked for where it cannot run: N/A naming why
+        assert result["settings"]["finite_differences"] is True
+        lines = [line for line in result["text"].splitlines() if "directional_derivatives" in line
+                 or "loss_matches_float64" in line]
+        assert len(lines) == 2 and all("N/A" in line and "pipeline parallelism" in line for line in lines), lines
     if case == "good":
         # one step: the reference's params are views of the model's weights (no copy; buffers only, none here)
         assert result["settings"]["reference_bytes"] == 0 and result["settings"]["snapshot_bytes"] > 0

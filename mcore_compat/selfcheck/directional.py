@@ -83,7 +83,7 @@ LOSS_RHO = {"float32": 2e-7, "bfloat16": 4e-4, "float16": 1e-4}
 #: 0.16.1 and 0.19.2
 CALIBRATION = {"float32": (1.1e-5, 2.3e-8), "bfloat16": (1.2e-2, 4.1e-5)}
 #: evaluations of ``L`` spent on bisecting a failure at most (four per node)
-MAX_BISECT_NODES = 24
+MAX_BISECT_NODES = 16
 #: roundings of the loss's dtype one evaluation of ``L`` is taken to err by
 _ROUNDINGS = 2.0**10
 
@@ -507,7 +507,9 @@ class FiniteDifferences:
             bad = []
             for half in (part[:mid], part[mid:]):
                 if budget[0] <= 0:
-                    out.append(f"{len(half)} params from {self.blocks[half[0]].name} (not bisected further)")
+                    first = self.blocks[half[0]].name
+                    out.append(f"{first} (not evaluated: bisection budget spent)" if len(half) == 1 else
+                               f"{len(half)} params from {first} (not bisected: budget spent)")
                     continue
                 budget[0] -= 1
                 r = evaluate(half, k)
