@@ -39,6 +39,18 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "pp2-tied": dict(tp=1, pp=2, distributed_optimizer=False, tie_embeddings=True),
     "tp2-sp": dict(tp=2, pp=1, sequence_parallel=True, distributed_optimizer=False),
     "tp2": dict(tp=2, pp=1, sequence_parallel=False, distributed_optimizer=False),
+    # the caller's model through check_training_step(..., finite_differences=True) after one warm-up step
+    # (tests/_own_model_scenarios.fd_step): bf16, lr 1e-6, dropout 0.1, L2 (coupled) weight decay where the release
+    # has it (OptimizerConfig.decoupled_weight_decay, 0.15+), the distributed optimizer at DP=2
+    "own-dp2": dict(tp=1, pp=1, distributed_optimizer=True, lr=1e-6, dropout=0.1, decoupled_weight_decay=False),
+    # fp32 at lr 1e-2: the warm-up step moves the params, so a weight cached at the first forward is stale
+    "own-dp2-fp32": dict(tp=1, pp=1, distributed_optimizer=True, dtype="fp32", lr=1e-2),
+    # TP=2 without sequence parallelism: where _CopyToModelParallelRegion runs (0.4-0.6: ColumnParallelLinear's
+    # input; 0.7+ reduce the input gradient inside the linear layer's backward). With sequence
+    # parallelism the tiny GPT never calls _GatherFromSequenceParallelRegion (its layers gather inside
+    # LinearWithGradAccumulationAndAsyncCommunication) on 0.4.0, 0.8.0 or 0.16.1, so no fault of it can act here
+    "own-tp2": dict(tp=2, pp=1, sequence_parallel=False, distributed_optimizer=False, lr=1e-6, dropout=0.1,
+                    decoupled_weight_decay=False),
 }
 
 _OPT = "megatron.core.optimizer.optimizer"
@@ -452,6 +464,53 @@ def _no_tp_reduction(real: Callable[..., Any], rec: Record, _t: Target) -> Calla
     return reduce_from_tensor_model_parallel_region
 
 
+def _wgrad(part: float) -> Maker:
+    """The linear layers' hand-written backward returns a weight gradient whose first ``part`` of rows is zero
+    (``part`` 1: a deferred weight gradient that never runs)."""
+
+    def make(real: Callable[..., Any], rec: Record, _t: Target) -> Callable[..., Any]:
+        def backward(ctx: Any, *grads: Any) -> Any:
+            out = list(real(ctx, *grads))
+            w = out[1]
+            rows = math.ceil(w.shape[0] * part) if w is not None and w.dim() else 0
+            changed = bool(rows and w[:rows].count_nonzero())
+            if changed:
+                out[1] = w.clone()
+                out[1][:rows] = 0
+            rec.saw(changed, f"the first {rows} of {w.shape[0]} weight-gradient rows zero" if changed else "")
+            return tuple(out)
+
+        return backward
+
+    return make
+
+
+def _mapping_unreduced(real: Callable[..., Any], rec: Record, _t: Target) -> Callable[..., Any]:
+    """A tensor-parallel mapping's backward leaves out its reduction over the TP group: each rank keeps its own
+    partial gradient (``_CopyToModelParallelRegion``'s all-reduce; for a gather's reduce-scatter, a plain split)."""
+    torch = _torch()
+
+    def backward(ctx: Any, grad_output: Any, *rest: Any) -> Any:
+        local = grad_output.clone()  # the reduction may act in place (0.4-0.5: _reduce all-reduces its input)
+        out = real(ctx, grad_output, *rest)
+        group = getattr(ctx, "group", None)
+        size = group.size() if group is not None else _ps().get_tensor_model_parallel_world_size()
+        reduces = getattr(ctx, "tensor_parallel_output_grad", True)  # the gather's split-only branch reduces nothing
+        if size <= 1 or not reduces:
+            rec.saw(False)
+            return out
+        first = out[0] if isinstance(out, tuple) else out
+        if first.shape == local.shape:  # the copy: all-reduce left out
+            mine = local
+        else:  # the gather: this rank's slice of its own gradient instead of the reduce-scatter
+            rank = group.rank() if group is not None else _ps().get_tensor_model_parallel_rank()
+            mine = local.chunk(size, 0)[rank].contiguous()
+        rec.saw(not torch.equal(mine, first), "a TP mapping's backward kept this rank's partial gradient")
+        return (mine, *out[1:]) if isinstance(out, tuple) else mine
+
+    return backward
+
+
 _SINGLE: dict[str, Any] = {}
 
 
@@ -481,6 +540,11 @@ _STEP = (Target(_OPT, "MixedPrecisionOptimizer.step", ">=0.6,<0.8"),
 #: in one); 0.8+ get_grad_norm_fp32 and clip_grad_by_total_norm_fp32
 _NORM = (Target(_OPT, "clip_grad_norm_fp32", ">=0.6,<0.8"), Target(_OPT, "get_grad_norm_fp32", ">=0.8"))
 _CLIP = (Target(_OPT, "clip_grad_norm_fp32", ">=0.6,<0.8"), Target(_OPT, "clip_grad_by_total_norm_fp32", ">=0.8"))
+
+#: the finite-difference checks of ``check_training_step(..., finite_differences=True)``
+_FD = frozenset({"grads_match_directional_derivatives"})
+_LINEAR_BACKWARD = (Target(_LAYERS, "LinearWithGradAccumulationAndAsyncCommunication.backward"),)
+_MAPPINGS = "megatron.core.tensor_parallel.mappings"
 
 FAULTS: dict[str, MegatronFault] = {
     "grad_reduction_skipped": MegatronFault(
@@ -559,6 +623,25 @@ FAULTS: dict[str, MegatronFault] = {
         (Target(_LAYERS, "reduce_from_tensor_model_parallel_region"),), _no_tp_reduction, "tp2",
         frozenset({"independent_reference_matches", "grads_match_reference", "loss_matches_reference",
                    "replicas_identical"})),
+    # ---- inside Megatron's layers, caught by check_training_step on the caller's model (tests/_own_model_scenarios)
+    "own_wgrad_rows_zeroed": MegatronFault(
+        "the linear layers' hand-written backward returns a weight gradient whose first half of rows is zero",
+        _LINEAR_BACKWARD, _wgrad(0.5), "own-dp2", _FD),
+    "own_wgrad_zero": MegatronFault(
+        "the linear layers' backward returns a zero weight gradient (a deferred weight gradient that never runs)",
+        _LINEAR_BACKWARD, _wgrad(1.0), "own-dp2", _FD),
+    "own_stale_weight_in_forward": MegatronFault(
+        "a ColumnParallelLinear's forward computes with the weight of its first forward (a cache not refreshed "
+        "after the warm-up step)",
+        (Target(_LAYERS, "ColumnParallelLinear.forward"),), _stale_forward, "own-dp2-fp32",
+        frozenset({"grads_match_directional_derivatives", "loss_matches_float64"})),
+    "own_copy_to_tp_backward_unreduced": MegatronFault(
+        "_CopyToModelParallelRegion's backward leaves out its all-reduce over TP",
+        (Target(_MAPPINGS, "_CopyToModelParallelRegion.backward"),), _mapping_unreduced, "own-tp2", _FD),
+    "own_missing_tp_output_reduction": MegatronFault(
+        "the TP all-reduce of row-parallel outputs left out (the forward and backward agree: the replicas "
+        "differ)", (Target(_LAYERS, "reduce_from_tensor_model_parallel_region"),), _no_tp_reduction, "own-tp2",
+        frozenset({"replicas_identical", "grads_match_directional_derivatives", "loss_matches_float64"})),
 }
 
 
@@ -588,16 +671,32 @@ def injected(name: str, version: Any) -> Iterator[Record]:
 
 
 def options(config: str) -> Any:
-    """The resolved SelfCheckOptions of a configuration at world size 2 on CPU."""
+    """The resolved SelfCheckOptions of a configuration at world size 2 on CPU (coupled weight decay only where
+    the release has it)."""
+    from mcore_compat._config_names import fields_in
+    from mcore_compat.detect import detect
     from mcore_compat.selfcheck import SelfCheckOptions
 
-    return replace(SelfCheckOptions(**COMMON, **CONFIGS[config]), nproc=2, device="cpu").resolved()
+    fields = {**COMMON, **CONFIGS[config]}
+    if "decoupled_weight_decay" not in fields_in("OptimizerConfig", detect().version):
+        fields.pop("decoupled_weight_decay", None)
+    return replace(SelfCheckOptions(**fields), nproc=2, device="cpu").resolved()
 
 
-def _one(opts: Any) -> dict[str, Any]:
+def _one(opts: Any, own: bool = False) -> dict[str, Any]:
     import time
 
     from mcore_compat.selfcheck.runner import _spawned_sweep
+
+    if own:
+        import _own_model_scenarios
+        from _case_groups import case_end, case_start
+
+        before = case_start()
+        try:
+            return _own_model_scenarios.fd_step(opts)
+        finally:
+            case_end(before)
 
     start = time.perf_counter()
     (checks, _env, tb), = _spawned_sweep([opts])[0]
@@ -627,7 +726,7 @@ def run_all() -> dict[str, Any]:
             out["unsupported"][config] = why
             continue
         runnable[config] = opts
-        out["clean"][config] = _one(opts)
+        out["clean"][config] = _one(opts, config.startswith("own-"))
     for name, fault in FAULTS.items():
         if fault.config not in runnable:
             out["faults"][name] = {"absent": f"its configuration {fault.config} cannot run: "
@@ -638,7 +737,7 @@ def run_all() -> dict[str, Any]:
             continue
         try:
             with injected(name, version) as rec:
-                result = _one(runnable[fault.config])
+                result = _one(runnable[fault.config], fault.config.startswith("own-"))
         except Exception:
             result = {"checks": [], "error": traceback.format_exc()}
             rec = Record()

@@ -341,6 +341,7 @@ OWN_MODEL = {
     "good-bf16": (True, set(), set()),
     "good-bf16-snapshot": (True, set(), set()),
     "good-pp2": (True, set(), set()),
+    "fd-pp2": (True, set(), set()),
     "good-no-reference": (True, set(), {"grads_match_reference"}),
     "no-hook": (False, {"training_hooks_installed", "grads_match_reference"}, set()),
     "rebind-after-bind": (False, {"binding_verified", "bound_buffer_current"}, set()),
@@ -363,13 +364,20 @@ def test_check_training_step_on_own_model(own_model: dict[str, dict], case: str)
     assert result["ok"] is ok, result["text"]
     statuses = result["checks"]
     assert {n for n, s in statuses.items() if s == "FAIL"} >= must_fail, result["text"]
-    # the float64 model written from the math stands for the self-check's own model only (own_model.py says why)
-    assert {n for n, s in statuses.items() if s == "N/A"} == not_applicable | {"independent_reference_matches"}, \
+    # the float64 model written from the math stands for the self-check's own model only (own_model.py says why);
+    # the finite-difference checks run only when asked for (finite_differences=True: tests/test_megatron_faults.py)
+    assert {n for n, s in statuses.items() if s == "N/A"} == not_applicable | {
+        "independent_reference_matches", "grads_match_directional_derivatives", "loss_matches_float64"}, \
         result["text"]
     assert {"training_hooks_installed", "update_matches_optimizer_rule", "grad_norm_matches_reference",
             "model_params_match_main", "binding_verified", "bound_buffer_current"} <= set(statuses)
     if case == "good-pp2":
         assert statuses["pipeline_gather_matches"] == "PASS"
+    if case == "fd-pp2":  # asked for where it cannot run: N/A naming why
+        assert result["settings"]["finite_differences"] is True
+        lines = [line for line in result["text"].splitlines() if "directional_derivatives" in line
+                 or "loss_matches_float64" in line]
+        assert len(lines) == 2 and all("N/A" in line and "pipeline parallelism" in line for line in lines), lines
     if case == "good":
         # one step: the reference's params are views of the model's weights (no copy; buffers only, none here)
         assert result["settings"]["reference_bytes"] == 0 and result["settings"]["snapshot_bytes"] > 0

@@ -86,6 +86,7 @@ def check_training_step(
     micro_batch_size: int | None = None,
     binding: Any = None,
     reference: bool = True,
+    finite_differences: bool = False,
     **schedule_kwargs: Any,
 ) -> Report:
     """Run one training step of the caller's model through mcore_compat and prove it (collective: every rank).
@@ -104,6 +105,12 @@ def check_training_step(
             from each iterator first (the reference sees the same ones).
         binding: a :class:`~mcore_compat.binding.ParamBinding` of these chunks, to check it too.
         reference: build the plain-autograd copy for the gradient check (one more model in memory).
+        finite_differences: also check the finalized gradients against the forward alone (directional
+            derivatives by central differences on a float64 copy of the model, :mod:`.directional`:
+            ``grads_match_directional_derivatives``, ``loss_matches_float64``), which sees faults inside the
+            layers' own backward and a forward reading stale weights. It costs a float64 copy of the params and
+            ``1 + 4 x DIRECTIONS`` float64 forwards of the step: run it once per run (e.g. the first step after
+            a warm-up step). Off: both checks are N/A, saying so.
 
     Returns:
         The merged report of all ranks (a check fails if it failed on any rank; ``Check.ranks`` names them).
@@ -141,12 +148,24 @@ def check_training_step(
                                            seq_length=seq_length, micro_batch_size=micro_batch_size,
                                            check_hooks=False, **schedule_kwargs)
         verifier.after_backward(forward_step_func, batches, num_microbatches, stored, last=True)
+        if finite_differences:  # before the optimizer step reads (unscales, clips) the finalized gradients
+            from .directional import FiniteDifferences
+
+            fd_checks = FiniteDifferences(chunks, verifier.view, verifier.groups, verifier.names,
+                                          per_token_loss=bool(getattr(config, "calculate_per_token_loss", False))
+                                          ).run(forward_step_func, batches, num_microbatches, stored or [],
+                                                verifier.loss_scale_now, verifier.rng)
+        else:
+            from .directional import not_requested
+
+            fd_checks = not_requested()
         with verifier.stepping():
             ok, norm, _ = training.optimizer_step(optimizer)
         verifier.after_step(ok, norm)
         training.finish_param_sync(chunks, optimizer)  # the overlapped all-gather of the updated params, if any
         verifier.final_replicas()
     checks.extend(verifier.checks())
+    checks.extend(fd_checks)
     checks.append(Check.not_applicable(
         "independent_reference_matches", "the caller's own model: there is no independent model of its layers; "
         "grads_match_reference reuses the caller's layer code, so it proves the distributed and optimizer path, "
@@ -162,6 +181,7 @@ def check_training_step(
     report = Report(settings={"world_size": dist.get_world_size(), "chunks": len(chunks),
                               "num_microbatches": num_microbatches, "bind": binding is not None,
                               "reference": reference, "hooks_installed": hooks_ok,
+                              "finite_differences": finite_differences,
                               "reference_bytes": verifier.reference_bytes,
                               "snapshot_bytes": verifier.snapshot_bytes,
                               "snapshot_host_bytes": verifier.snapshot_host_bytes,

@@ -57,17 +57,21 @@ def core_module(module: Any) -> Any:
     return module
 
 
-def _plain_copy(module: Any, share_weights: bool = False) -> Any:
+def _plain_copy(module: Any, share_weights: bool = False, dtype: Any = None,
+                configs: dict[int, Any] | None = None) -> Any:
     """A deep copy of ``module`` with fresh parameters (no DDP attributes such as ``main_grad``) that shares
     what must not be copied: process groups and the transformer configs (whose hooks hold the optimizer).
     ``share_weights``: the fresh parameters are views of the model's weights (no copy of their values; their
-    gradients are their own)."""
+    gradients are their own). ``dtype``: the fresh parameters are cast to it (a copy). ``configs``: ``{id(config):
+    the copy's config}`` for configs the copy gets in place of the module's."""
     import torch
     import torch.distributed as dist
 
-    memo: dict[int, Any] = {}
+    memo: dict[int, Any] = dict(configs or {})
     for p in module.parameters():
-        value = p.detach() if share_weights else p.detach().clone()
+        value = p.detach().to(dtype) if dtype is not None else p.detach() if share_weights else p.detach().clone()
+        if dtype is not None and value.data_ptr() == p.data_ptr():  # already of that dtype: .to made no copy
+            value = value.clone()
         memo[id(p)] = torch.nn.Parameter(value, requires_grad=p.requires_grad)
     for sub in module.modules():
         for attr in ("config", "ddp_config", "pg_collection"):

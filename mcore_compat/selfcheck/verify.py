@@ -340,6 +340,12 @@ class StepVerifier:
         self._norm_mine: tuple[float, float] | None = None
         self._stepping = False
 
+    @property
+    def loss_scale_now(self) -> float:
+        """The loss scale of the step being checked (the finalized gradients carry it until the optimizer
+        unscales them)."""
+        return self._loss_scale
+
     # ------------------------------------------------------------------------------------------- set-up
     @own_tensor_math
     def _coverage(self) -> list[Check]:

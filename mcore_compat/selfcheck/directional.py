@@ -1,0 +1,569 @@
+"""Gradients checked against the forward: directional derivatives by central finite differences in float64.
+
+:class:`~.reference.PlainReference` (``grads_match_reference``) runs the caller's own layer code, so a fault inside
+a layer's hand-written backward (a weight gradient with rows zeroed, a deferred weight gradient that never runs,
+a tensor-parallel mapping's backward that leaves out its reduction) acts on it alike. This check does not trust
+any backward code: it compares the finalized gradient ``g`` of the step (DDP's ``main_grad`` after
+``finalize_model_grads``, divided by the loss scale, before the optimizer reads it) with the loss's directional
+derivative measured from the forward alone, the method of ``torch.autograd.gradcheck``:
+
+* a float64 copy of the caller's modules (:func:`float64_copy`: the same layer code, parameters cast exactly from
+  the model's current values, the config's ``params_dtype`` float64 and no bf16/fp16 casts, ``Tensor.float()``
+  of a float64 tensor left in float64 while it runs) computes the whole step's loss ``L`` (every micro-batch, each
+  forward replaying the random state the real forward of the same micro-batch drew from (:mod:`.rng_replay`), the
+  DP mean, or the per-token sum over all tokens);
+* per parameter block (one model parameter) a seeded Gaussian direction ``v_b`` (i.i.d. N(0,1) elements; one
+  stream per TP shard of a partitioned parameter, the same on every rank for a replicated one); :data:`DIRECTIONS`
+  directions ``v`` = all blocks' ``v_b`` together;
+* ``D(h) = (L(θ+hv) - L(θ-hv)) / 2h`` with ``h = η·|θ|/|v|`` (:data:`ETA`), and ``D(2h)`` the same way: four
+  float64 forwards of the step per direction, plus one at ``θ``.
+
+The comparison ``|<g, v> - D(h)| <= bound`` with ``bound = |D(h) - D(2h)| + 2·ε_L/h + k·rho·|g|``:
+
+* ``|D(h) - D(2h)|``: the truncation error of the central difference is ``c·h²`` (``D(2h)`` has ``4c·h²``), so
+  this is 3x its estimate;
+* ``2·ε_L/h``: rounding; ``ε_L = 2^10·u·|L|`` the error of one evaluation of ``L`` (``u`` the unit roundoff of
+  the dtype the loss comes out in: ``2^-53`` in float64, ``2^-24`` if the caller's loss function rounds to
+  float32 in a way the copy cannot keep in float64), entering twice (``L(θ+hv)``, ``L(θ-hv)``) over ``2h``, and
+  again for ``D(2h)``;
+* ``k·rho·|g|``: ``g`` is the gradient of the model in its own dtype, not of the float64 copy; its error ``e``
+  satisfies ``|e| <= rho·|g|`` (:data:`RHO`: the relative gradient error of the model dtype, calibrated on clean
+  runs like :mod:`.independent`'s tolerance) and, ``v`` being drawn independently of it, ``<e, v>`` is
+  N(0, |e|²): at ``k`` = :data:`K_SIGMA` standard deviations a correct run fails with probability ~2e-9.
+
+A fault that changes the gradient by ``f`` shows as ``<f, v>`` (N(0, |f|²)): the report states
+``bound / |g|``, the relative change of the gradient above which a typical direction sees it. Where the whole
+fails, the failing direction is bisected over the parameter blocks (the direction restricted to each half, its
+bound recomputed for the half) down to single parameters, which the failure names; ``D = 0`` within the bound
+with ``<g, v> != 0`` is a forward that does not read the parameter at all (a stale or cached weight).
+
+``loss_matches_float64``: each micro-batch's loss of the real step equals the float64 copy's at the current
+parameters within :data:`LOSS_RHO` (relative, per dtype): a forward that computes with something other than
+the current parameter (a weight cache not refreshed after a step) is caught even where its gradient is right.
+
+Not applicable (each with its reason, never a PASS): pipeline parallelism or virtual stages, MoE experts,
+context parallelism, TransformerEngine layers (no float64 kernels), dropout whose masks the float64 copy does not
+draw as the model's dtype does (probed on the device), an optimizer whose main params cannot be read.
+
+Cost (this is why it is an option, ``check_training_step(..., finite_differences=True)``, recommended once per
+run): the float64 copy of this rank's params (8 bytes per element: 4x the param bytes of a bf16 model) and
+``1 + 4·DIRECTIONS`` float64 forwards of the step's micro-batches (float64 runs at a fraction of bf16's speed on
+an accelerator), plus four per bisection node on a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from .report import Check
+
+__all__ = ["CALIBRATION", "DIRECTIONS", "ETA", "K_SIGMA", "LOSS_RHO", "RHO", "FiniteDifferences", "float64_copy"]
+
+#: seeded random directions through all parameter blocks
+DIRECTIONS = 2
+#: the step's size relative to the parameters: ``h·|v| = ETA·|θ|``
+ETA = 2.0**-10
+#: standard deviations of ``<e, v>`` the bound allows for the model dtype's gradient error
+K_SIGMA = 6.0
+#: ``rho``: the model dtype's relative gradient error ``|g - ∇L| / |g|`` (by the model params' dtype), calibrated: the
+#: bound's ``K_SIGMA·rho`` is about 10x the largest ``|<g, v> - D| / |g|`` seen on clean runs (:data:`CALIBRATION`;
+#: ``<e, v>`` is N(0, |e|²), so that ratio is about ``|e| / |g|``); float16 is not calibrated (4x bf16's precision)
+RHO = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 5e-3}
+#: relative tolerance of a micro-batch's loss against the float64 copy's, by the model params' dtype (about 10x
+#: :data:`CALIBRATION`'s)
+LOSS_RHO = {"float32": 2e-7, "bfloat16": 4e-4, "float16": 1e-4}
+#: the worst clean ``(|<g, v> - D| / |g|, relative loss error)`` per dtype when :data:`RHO` and :data:`LOSS_RHO`
+#: were set: the user-model fixtures of tests/_own_model_scenarios.py (``fd_step``: DP=2 with the distributed
+#: optimizer, TP=2, TP=2 with sequence parallelism; dropout 0.1; after one warm-up step) on 0.4.0, 0.8.0, 0.12.3,
+#: 0.16.1 and 0.19.2
+CALIBRATION = {"float32": (1.1e-5, 2.3e-8), "bfloat16": (1.2e-2, 4.1e-5)}
+#: evaluations of ``L`` spent on bisecting a failure at most (four per node)
+MAX_BISECT_NODES = 16
+#: roundings of the loss's dtype one evaluation of ``L`` is taken to err by
+_ROUNDINGS = 2.0**10
+
+_NAME = "grads_match_directional_derivatives"
+_LOSS = "loss_matches_float64"
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# ------------------------------------------------------------------------------------------------ the float64 copy
+def float64_copy(module: Any) -> Any:
+    """A float64 copy of ``module`` (DDP and ``Float16Module`` stripped): parameters and floating buffers cast from
+    the module's (exactly), the same process groups, its configs copied with ``params_dtype`` float64 and the
+    bf16/fp16 flags off (the schedule's hooks cleared), softmax modules' half-precision input flags off."""
+    import torch
+
+    from .reference import _plain_copy, _without_hooks, core_module
+
+    core = core_module(module)
+    configs: dict[int, Any] = {}
+    for sub in core.modules():
+        cfg = sub.__dict__.get("config")
+        if cfg is not None and id(cfg) not in configs:
+            mine = copy.copy(_without_hooks(cfg))
+            if mine is cfg:
+                mine = copy.copy(cfg)
+            for attr, value in (("params_dtype", torch.float64), ("bf16", False), ("fp16", False)):
+                if hasattr(mine, attr):
+                    try:
+                        object.__setattr__(mine, attr, value)
+                    except (AttributeError, TypeError):
+                        pass
+            configs[id(cfg)] = mine
+    dup = _plain_copy(core, dtype=torch.float64, configs=configs)
+    dup.double()
+    for sub in dup.modules():
+        for flag in ("input_in_fp16", "input_in_bf16", "input_in_float16"):
+            if isinstance(sub.__dict__.get(flag), bool):
+                setattr(sub, flag, False)
+    for p in dup.parameters():
+        p.requires_grad_(False)
+    return dup
+
+
+@contextlib.contextmanager
+def _float_keeps_float64() -> Iterator[None]:
+    """Within: ``Tensor.float()`` of a float64 tensor returns it (a loss function's ``output.float()`` would round
+    the float64 copy's loss to float32); every other tensor as before."""
+    import torch
+
+    real = torch.Tensor.float
+
+    def float_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.dtype == torch.float64 and not args and not kwargs:
+            return self
+        return real(self, *args, **kwargs)
+
+    torch.Tensor.float = float_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.float = real  # type: ignore[method-assign]
+
+
+def _inputs_to_float64(module: Any) -> Any:
+    """A forward pre-hook handle casting the floating tensor inputs of ``module`` to float64 (Megatron's
+    ``Float16Module`` casts the model's inputs to its dtype the same way)."""
+    import torch
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64:
+            return x.double()
+        return x
+
+    def hook(_m: Any, args: Any, kwargs: Any) -> Any:
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    return module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _dropout_reproducible(device: Any, dtype: Any) -> bool:
+    """Whether dropout on ``device`` draws the same mask for a float64 tensor as for one of ``dtype`` from the same
+    generator state (a probe: the CPU draws per element independent of the dtype; an accelerator's kernel may
+    not)."""
+    import torch
+
+    from .rng_replay import capture, restore
+
+    left = capture()
+    try:
+        x = torch.ones(4096, device=device)
+        masks = []
+        for dt in (dtype, torch.float64):
+            restore(left)
+            masks.append(torch.nn.functional.dropout(x.to(dt), 0.5, training=True) != 0)
+        return bool(torch.equal(masks[0], masks[1]))
+    finally:
+        restore(left)
+
+
+# ------------------------------------------------------------------------------------------------ the check
+class _Eval(NamedTuple):
+    """One direction restricted to a set of blocks: ``<g, v>``, ``D(h)``, the bound, its finite-difference part
+    and ``|g|`` of the set (every rank the same: global sums)."""
+
+    gv: float
+    d: float
+    bound: float
+    fd_bound: float
+    gnorm: float
+
+    def fails(self) -> bool:
+        return abs(self.gv - self.d) > self.bound
+
+    def why(self) -> str:
+        if abs(self.d) <= self.fd_bound:
+            return f"the forward does not read it: directional derivative 0 within {self.fd_bound:.2g}, <g, v> " \
+                   f"{self.gv:.4g}"
+        return f"<g, v> {self.gv:.4g} vs D {self.d:.4g}, bound {self.bound:.2g}"
+
+
+@dataclass
+class _Block:
+    """One parameter block: its model param, the main params standing for it and its weights in the sums."""
+
+    name: str
+    param: Any
+    copy: Any
+    seed_key: int
+    weight: float  # the factor of this rank's sums of the whole param: 1 / (ranks holding the same values)
+    parts: list[Any]  # MainParams of this param on this rank
+
+
+def _seed(*parts: int) -> int:
+    h = 1469598103934665603
+    for p in parts:
+        h = ((h ^ (p & 0xFFFFFFFFFFFF)) * 1099511628211) & 0x7FFFFFFFFFFFFFFF
+    return h
+
+
+def _stable(name: str) -> int:
+    import zlib
+
+    return zlib.crc32(name.encode())
+
+
+class FiniteDifferences:
+    """The check on every rank (collective: every rank calls :meth:`run`).
+
+    Args:
+        chunks: this rank's DDP-wrapped model chunks.
+        view: the optimizer's main params (:func:`mcore_compat._optimizer_view.optimizer_view`).
+        groups: this rank's process groups (:class:`~.groups.Groups`).
+        names: ``{param: name}`` of the trainable params (:func:`.verify.named_trainable`).
+        per_token_loss: the schedule's ``calculate_per_token_loss``.
+        seed: the directions' seed.
+    """
+
+    def __init__(self, chunks: Sequence[Any], view: Any, groups: Any, names: dict[Any, str],
+                 per_token_loss: bool = False, seed: int = 0) -> None:
+        self.chunks, self.view, self.groups, self.names = list(chunks), view, groups, names
+        self.per_token_loss = per_token_loss
+        self.seed = seed
+        self.copy: Any = None
+        self.blocks: list[_Block] = []
+        self.evaluations = 0
+
+    # -------------------------------------------------------------------------------------------- applicability
+    def unsupported(self) -> str | None:
+        """Why the check cannot run in this configuration (``None``: it can)."""
+        import torch
+        import torch.distributed as dist
+
+        from .reference import core_module
+
+        g = self.groups
+        if self.view.unsupported:
+            return f"the optimizer's main params cannot be read: {self.view.unsupported}"
+        if g.pp > 1 or len(self.chunks) > 1:
+            return ("pipeline parallelism: the float64 copy's forward would run through the stages, which this check "
+                    "does not do yet")
+        if any(not getattr(p, "allreduce", True) for p in self.names):
+            return "MoE experts: the token dispatch is not replayed in the float64 copy"
+        if dist.get_world_size() != g.tp * g.dp_size:
+            return "context parallelism or groups beyond TP x DP"
+        for m in core_module(self.chunks[0]).modules():
+            if "transformer_engine" in type(m).__module__:
+                return f"TransformerEngine's {type(m).__name__} has no float64 kernels"
+        first = next(iter(self.names), None)
+        if first is not None and _has_dropout(self.chunks[0]) and not _dropout_reproducible(first.device, first.dtype):
+            return (f"dropout on {first.device.type}: a float64 tensor draws other masks than a "
+                    f"{_dtype_name(first.dtype)} one from the same generator state")
+        del torch
+        return None
+
+    # -------------------------------------------------------------------------------------------- set-up
+    def _build(self) -> None:
+        import torch
+
+        from ..binding.placement import tp_attrs
+        from .reference import core_module
+
+        g = self.groups
+        self.copy = float64_copy(self.chunks[0])
+        mine = dict(self.copy.named_parameters())
+        by_model: dict[int, list[Any]] = {}
+        for mp in self.view:
+            by_model.setdefault(id(mp.model), []).append(mp)
+        self.blocks = []
+        for name, p in core_module(self.chunks[0]).named_parameters():
+            if p not in self.names:
+                continue
+            split = tp_attrs(p)[0]
+            key = _seed(self.seed, _stable(name), g.tp_rank if split else -1)
+            # a rank's sums count a value once over the ranks holding it: the DP replicas of the whole param (its
+            # main params unless sharded over DP by the distributed optimizer), its TP duplicates if replicated
+            weight = 1.0 / (g.dp_size * (1 if split else g.tp))
+            self.blocks.append(_Block(name, p, mine[name], key, weight, by_model.get(id(p), [])))
+        del torch
+
+    def _direction(self, block: _Block, k: int) -> Any:
+        import torch
+
+        gen = torch.Generator(device="cpu").manual_seed(_seed(block.seed_key, k))
+        v = torch.randn(block.param.shape, generator=gen, dtype=torch.float64)
+        return v.to(block.param.device)
+
+    # -------------------------------------------------------------------------------------------- evaluations
+    def _set(self, subset: Sequence[int], k: int, step: float) -> None:
+        """The copy's params at the model's current values plus ``step·v_k`` on the blocks of ``subset``."""
+        import torch
+
+        chosen = set(subset)
+        with torch.no_grad():
+            for i, b in enumerate(self.blocks):
+                b.copy.copy_(b.param.detach())
+                if step and i in chosen:
+                    b.copy.add_(self._direction(b, k), alpha=step)
+
+    def _loss(self, forward_step_func: Callable[..., Any], batches: Sequence[Any], num_microbatches: int,
+              rng: Any, per_mb: list[float] | None = None) -> tuple[float, float, str]:
+        """This rank's part of the step's loss at the copy's params (``(loss sum, tokens, loss dtype)``)."""
+        import torch
+
+        from .reference import _set_input_tensor
+
+        self.evaluations += 1
+        total, tokens, dtype = 0.0, 0.0, "float64"
+        it = iter(batches)
+        for mb in range(num_microbatches):
+            _set_input_tensor(self.copy, None)
+            if rng is not None:
+                rng.replay(0, mb)
+            output, loss_func = forward_step_func(it, self.copy)
+            result = loss_func(output)
+            loss = result[0]
+            dtype = _dtype_name(loss.dtype) if dtype == "float64" else dtype
+            value = float(loss.detach().double())
+            if len(result) == 3:
+                tokens += float(torch.as_tensor(result[1]).double().sum())
+                total += value
+                if per_mb is not None:
+                    per_mb.append(value / max(float(torch.as_tensor(result[1]).double().sum()), 1.0))
+            else:
+                total += value / num_microbatches
+                if per_mb is not None:
+                    per_mb.append(value)
+        return total, tokens, dtype
+
+    def _reduce(self, values: list[float]) -> list[float]:
+        """Sum over every rank (float64, one collective)."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device=self.groups.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(t)
+        return [float(x) for x in t.tolist()]
+
+    def _global_loss(self, pairs: list[tuple[float, float]]) -> list[float]:
+        """The step's loss of each evaluation from every rank's ``(sum, tokens)`` (collective)."""
+        g = self.groups
+        flat = self._reduce([x for pair in pairs for x in pair])
+        out = []
+        for i in range(len(pairs)):
+            s, n = flat[2 * i], flat[2 * i + 1]
+            out.append(s / n if self.per_token_loss and n > 0 else s / (g.dp_size * g.tp))
+        return out
+
+    # -------------------------------------------------------------------------------------------- the run
+    def run(self, forward_step_func: Callable[..., Any], batches: Sequence[Sequence[Any] | None],
+            num_microbatches: int, model_losses: Sequence[Any], loss_scale: float, rng: Any) -> list[Check]:
+        """Both checks on this rank (collective); the random state is put back as it was."""
+        why = self.unsupported()
+        if why is not None:
+            return [Check.not_applicable(_NAME, why), Check.not_applicable(_LOSS, why)]
+        import torch
+
+        from .rng_replay import capture, restore
+
+        self._build()
+        left = capture()
+        hook = _inputs_to_float64(self.copy)
+        try:
+            with torch.no_grad(), _float_keeps_float64():
+                return self._run(forward_step_func, list(batches[0] or []), num_microbatches, model_losses,
+                                 loss_scale, rng)
+        finally:
+            hook.remove()
+            restore(left)
+            self.copy = None
+            self.blocks = []
+
+    def _stats(self, loss_scale: float) -> tuple[list[list[float]], list[float], list[float]]:
+        """Per block (summed over the ranks): ``<g_b, v_b^k>`` for every direction, ``|g_b|²``, ``|θ_b|²``;
+        and per direction ``|v^k|²`` (collective)."""
+        import torch
+
+        local: list[float] = []
+        for b in self.blocks:
+            gv = [0.0] * DIRECTIONS
+            gg = 0.0
+            vs = [self._direction(b, k) for k in range(DIRECTIONS)]
+            for mp in b.parts:
+                grad = mp.finalized_grad()
+                if grad is None:
+                    continue
+                gd = grad.detach().double().reshape(-1) / loss_scale
+                w = b.weight * (self.groups.dp_size if mp.sharded else 1)  # a DP shard: held by this rank only
+                for k, v in enumerate(vs):
+                    gv[k] += w * float(torch.dot(gd, mp.model_part(v)))
+                gg += w * float(torch.dot(gd, gd))
+            theta = b.param.detach().double()
+            local.extend(gv)
+            local.append(gg)
+            local.append(float((theta * theta).sum()) * b.weight)
+            local.extend(float((v * v).sum()) * b.weight for v in vs)
+            del vs
+        flat = self._reduce(local)
+        per = 2 + 2 * DIRECTIONS
+        gv_all = [flat[i * per:i * per + DIRECTIONS] for i in range(len(self.blocks))]
+        gg_all = [flat[i * per + DIRECTIONS] for i in range(len(self.blocks))]
+        tt_all = [flat[i * per + DIRECTIONS + 1] for i in range(len(self.blocks))]
+        vv = [[flat[i * per + DIRECTIONS + 2 + k] for k in range(DIRECTIONS)] for i in range(len(self.blocks))]
+        return gv_all, gg_all, tt_all + [x for row in vv for x in row]
+
+    def _run(self, forward_step_func: Callable[..., Any], batches: list[Any], num_microbatches: int,
+             model_losses: Sequence[Any], loss_scale: float, rng: Any) -> list[Check]:
+        from .verify import _loss_value
+
+        nb = len(self.blocks)
+        gv, gg, rest = self._stats(loss_scale)
+        tt, vv = rest[:nb], [rest[nb + i * DIRECTIONS:nb + (i + 1) * DIRECTIONS] for i in range(nb)]
+        dtype = _dtype_name(self.blocks[0].param.dtype) if self.blocks else "float32"
+        rho = RHO.get(dtype, RHO["bfloat16"])
+
+        # the loss at θ, per micro-batch, against the real step's
+        self._set([], 0, 0.0)
+        per_mb: list[float] = []
+        self._loss(forward_step_func, batches, num_microbatches, rng, per_mb)
+        loss_check = self._loss_check(per_mb, [_loss_value(d) for d in model_losses], dtype)
+
+        def evaluate(subset: list[int], k: int) -> _Eval:
+            """Direction ``k`` restricted to ``subset`` (collective)."""
+            theta = math.sqrt(sum(tt[i] for i in subset))
+            vnorm = math.sqrt(sum(vv[i][k] for i in subset))
+            h = ETA * max(theta, 1e-30) / max(vnorm, 1e-30)
+            pairs = []
+            dtypes = []
+            for step in (h, -h, 2 * h, -2 * h):
+                self._set(subset, k, step)
+                s, n, dt = self._loss(forward_step_func, batches, num_microbatches, rng)
+                pairs.append((s, n))
+                dtypes.append(dt)
+            lp, lm, l2p, l2m = self._global_loss(pairs)
+            d1 = (lp - lm) / (2 * h)
+            d2 = (l2p - l2m) / (4 * h)
+            u = 2.0**-53 if all(d == "float64" for d in dtypes) else 2.0**-24
+            eps = _ROUNDINGS * u * max(abs(lp), abs(lm), abs(l2p), abs(l2m))
+            fd_bound = abs(d1 - d2) + 2 * eps / h
+            gnorm = math.sqrt(sum(gg[i] for i in subset))
+            bound = fd_bound + K_SIGMA * rho * gnorm
+            return _Eval(sum(gv[i][k] for i in subset), d1, bound, fd_bound, gnorm)
+
+        everything = list(range(nb))
+        results = [evaluate(everything, k) for k in range(DIRECTIONS)]
+        self._set([], 0, 0.0)
+        worst = max((abs(r.gv - r.d) / r.bound if r.bound > 0 else 0.0) for r in results)
+        failing = [k for k, r in enumerate(results) if r.fails()]
+        gnorm = results[0].gnorm
+        resolution = max(r.bound for r in results) / gnorm if gnorm > 0 else float("inf")
+        head = (f"{DIRECTIONS} seeded directions through {nb} parameter blocks: <g, v> of the finalized gradient vs "
+                f"the central difference of the float64 copy's loss (D(h) vs D(2h), h*|v| = {ETA:.3g}*|params|); "
+                f"bound |D(h)-D(2h)| + 2*eps_L/h + {K_SIGMA:g}*rho*|g| with rho {rho:g} ({dtype} gradients)")
+        rel = max(abs(r.gv - r.d) for r in results) / gnorm if gnorm > 0 else 0.0
+        if not failing:
+            detail = (f"{head}; worst {worst:.3g} of the bound (|<g,v> - D| = {rel:.2g} of |g|); resolution: a change of the gradient by more than "
+                      f"{resolution:.2g} of its norm is seen (a typical direction); {self.evaluations} float64 "
+                      f"evaluations of the step")
+            return [Check(_NAME, True, detail, {"worst": worst, "relative": rel, "resolution": resolution,
+                                                "evaluations": self.evaluations}), loss_check]
+        k = failing[0]
+        named = self._bisect(evaluate, everything, k)
+        r = results[k]
+        text = "; ".join(named[:6]) + (f"; and {len(named) - 6} more" if len(named) > 6 else "")
+        detail = (f"direction {k}: <g, v> {r.gv:.6g} vs D {r.d:.6g} (bound {r.bound:.3g}); the gradient disagrees "
+                  f"with the forward on: {text}")
+        return [Check(_NAME, False, detail, {"worst": worst, "params": named}), loss_check]
+
+    def _bisect(self, evaluate: Callable[[list[int], int], _Eval], subset: list[int], k: int) -> list[str]:
+        """The blocks of ``subset`` whose gradient disagrees with the forward along direction ``k``: each half
+        evaluated, the failing ones bisected further, at most :data:`MAX_BISECT_NODES` evaluations (every rank
+        makes the same choices: the sums are global)."""
+        out: list[str] = []
+        budget = [MAX_BISECT_NODES]
+
+        def visit(part: list[int]) -> None:
+            mid = len(part) // 2
+            bad = []
+            for half in (part[:mid], part[mid:]):
+                if budget[0] <= 0:
+                    first = self.blocks[half[0]].name
+                    out.append(f"{first} (not evaluated: bisection budget spent)" if len(half) == 1 else
+                               f"{len(half)} params from {first} (not bisected: budget spent)")
+                    continue
+                budget[0] -= 1
+                r = evaluate(half, k)
+                if r.fails():
+                    bad.append((half, r))
+            if not bad and budget[0] > 0:  # neither half alone exceeds its bound: name the set
+                out.append(f"{len(part)} params from {self.blocks[part[0]].name} to {self.blocks[part[-1]].name}")
+            for half, r in bad:
+                if len(half) == 1:
+                    out.append(f"{self.blocks[half[0]].name} ({r.why()})")
+                else:
+                    visit(half)
+
+        if len(subset) == 1:
+            out.append(f"{self.blocks[subset[0]].name} ({evaluate(subset, k).why()})")
+        else:
+            visit(subset)
+        self._set([], 0, 0.0)
+        return out
+
+    def _loss_check(self, got64: list[float], model: list[float | None], dtype: str) -> Check:
+        rho = LOSS_RHO.get(dtype, LOSS_RHO["bfloat16"])
+        worst, failures = 0.0, []
+        for i, (a, b) in enumerate(zip(model, got64, strict=False)):
+            if a is None:
+                continue
+            ratio = abs(a - b) / (rho * max(abs(b), 1e-30))
+            worst = max(worst, ratio)
+            if ratio > 1:
+                failures.append(f"micro-batch {i}: loss {a:.8g} vs the float64 copy's {b:.8g} at the current params")
+        if not failures:
+            return Check(_LOSS, True, f"{len(got64)} micro-batch losses of the step vs the float64 copy's at the "
+                                      f"current params: worst {worst:.3g} of {rho:g} relative ({dtype})",
+                         {"worst": worst})
+        return Check(_LOSS, False, "; ".join(failures[:3]) + " (the forward computed with other values than the "
+                                                             "current params?)", {"worst": worst})
+
+
+def _has_dropout(chunk: Any) -> bool:
+    from .reference import core_module
+
+    for m in core_module(chunk).modules():
+        cfg = m.__dict__.get("config")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if cfg is not None and isinstance(getattr(cfg, name, 0.0), float) and getattr(cfg, name) > 0:
+                return True
+        p = m.__dict__.get("p")
+        if "Dropout" in type(m).__name__ and isinstance(p, float) and p > 0:
+            return True
+    return False
+
+
+def not_requested() -> list[Check]:
+    """Both checks not applicable: not asked for."""
+    why = ("off: finite_differences=False (a float64 copy of the params and 1 + 4x{DIRECTIONS} float64 forwards of "
+           "the step; run it once per run)").replace("{DIRECTIONS}", str(DIRECTIONS))
+    return [Check.not_applicable(_NAME, why), Check.not_applicable(_LOSS, why)]
