@@ -183,8 +183,9 @@ def _strategies() -> Any:
         warmup = draw(st.integers(0, decay - 1))
         style = draw(st.sampled_from(O.LR_STYLES))
         max_lr = draw(st.one_of(st.just(build["lr"]), lr))  # given to both, or the scheduler's own
-        min_lr = draw(st.one_of(st.just(build["min_lr"] if build["min_lr"] is not None else 0.0),
-                                frac.map(lambda f: max_lr * f)))
+        own_min = build["min_lr"] if build["min_lr"] is not None else 0.0
+        floors = frac.map(lambda f: max_lr * f)  # the scheduler's own floor, or the config's where it fits
+        min_lr = draw(st.one_of(st.just(own_min), floors) if own_min <= max_lr else floors)
         wd_style = draw(st.sampled_from(O.WD_STYLES))
         end_wd = draw(st.sampled_from([0.0, 0.01, 0.1]))
         start_wd = end_wd if wd_style == "constant" else draw(st.sampled_from([0.0, end_wd / 2, end_wd]))
