@@ -437,6 +437,11 @@ _VALUED_OPTIMIZER: tuple[Fact[Any], ...] = (
       "megatron.core.optimizer_param_scheduler.OptimizerParamScheduler exists (optimizer_param_scheduler.py, 0.9); "
       "before it mcore_compat.training.scheduler serves the same signature",
       defines(_OPS, "OptimizerParamScheduler.step")),
+    F("scheduler_wsd_minus_sqrt", ">=0.13",
+      "OptimizerParamScheduler.get_lr knows the WSD anneal style 'minus_sqrt' (optimizer_param_scheduler.py, 0.13); "
+      "0.9-0.12 leave its coefficient unset and fail inside get_lr (UnboundLocalError), so "
+      "mcore_compat.training.scheduler serves it there",
+      uses_string(_OPS, "OptimizerParamScheduler.get_lr", "minus_sqrt")),
     F("scheduler_ignores_lr_mult", ">=0.16",
       "OptimizerParamScheduler.step sets a group's lr from its max_lr/min_lr alone, without the group's lr_mult "
       "(optimizer_param_scheduler.py, 0.16: per-group lr lives in max_lr/min_lr, config_overrides); before 0.16 "

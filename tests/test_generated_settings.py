@@ -1,7 +1,6 @@
 """One meaning over the settings space: Hypothesis draws optimizer and scheduler settings, built through
 mcore_compat on the session's release (2 gloo ranks, DP=2), and compares them with the spec (``_spec_oracle``) and
-raw Megatron (where the raw call accepts them). Each release session draws its own examples (a fixed seed per
-release) and replays the committed example database (``tests/data/hypothesis/``).
+raw Megatron (where the raw call accepts them). Every release session draws the same examples (a fixed seed) and replays the committed example database (``tests/data/hypothesis/``).
 
 The scenarios run inside the ranks (``_generated_scenarios``); here each property's verdict is read, with
 Hypothesis's falsifying example when it failed. The case counts go to ``$MCORE_COMPAT_GENERATED_REPORT``.

@@ -225,8 +225,9 @@ def optimizer_param_scheduler(optimizer: Any, init_lr: float, max_lr: float, min
             ``load_state_dict``.
 
     Returns:
-        Megatron-Core's ``OptimizerParamScheduler`` where the release has one (0.9+), else a
-        :class:`ParamScheduler`; both already applied step 0 to the groups.
+        Megatron-Core's ``OptimizerParamScheduler`` where the release has one (0.9+) that knows the styles
+        asked for, else a :class:`ParamScheduler` (also for WSD's ``minus_sqrt`` on 0.9-0.12); both already
+        applied step 0 to the groups.
     """
     args = (optimizer, init_lr, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style, start_wd,
             end_wd, wd_incr_steps, wd_incr_style, use_checkpoint_opt_param_scheduler, override_opt_param_scheduler,
@@ -235,7 +236,10 @@ def optimizer_param_scheduler(optimizer: Any, init_lr: float, max_lr: float, min
            use_checkpoint_opt_param_scheduler, override_opt_param_scheduler, wsd_decay_steps, lr_wsd_decay_style)
     version = installed_version()
     _fill_group_bounds(optimizer, max_lr, min_lr, has("scheduler_ignores_lr_mult", version))
-    if has("megatron_scheduler", version):
+    # 0.9-0.12's scheduler lacks the WSD style 'minus_sqrt' (fact scheduler_wsd_minus_sqrt): ours serves it there.
+    megatron_lacks_style = (lr_decay_style == "WSD" and lr_wsd_decay_style == "minus_sqrt"
+                            and not has("scheduler_wsd_minus_sqrt", version))
+    if has("megatron_scheduler", version) and not megatron_lacks_style:
         from .. import symbols
 
         return symbols.resolve("OptimizerParamScheduler")(*args)
