@@ -17,8 +17,10 @@ The fixtures that tests/test_checkpoint_cross.py loads in every release session 
 2 steps, saved with mcore_compat.save_checkpoint, and its reference values) into tests/data/checkpoints/<A>/;
 ``--check`` writes them again into a temporary directory on each release and compares them with the committed
 ones: the manifest's fields (but the writers' mcore_compat and torch versions and the shard sizes, which depend
-on the torch that wrote the zip files, and so the checksums file, which the fixtures predate), the TP record, and every value of every shard and of the reference (bit for
-bit, dtypes and shapes included). Exit status 1 when one differs (then --write-fixtures, and commit).
+on the torch that wrote the zip files, and so the checksums file, which the fixtures predate), the TP record, and
+every value of every shard and of the reference (names, dtypes, shapes and integers exactly; floating values within
+FLOAT_ULPS units in the last place at the tensor's scale, the spread of CPU kernels between instruction sets).
+Exit status 1 when one differs (then --write-fixtures, and commit).
 """
 
 from __future__ import annotations
