@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -104,3 +106,13 @@ def config_items(value: Any, what: str) -> tuple[dict[str, Any], dict[str, Any]]
         defaults = {f.name: f.default for f in dataclasses.fields(value) if f.default is not dataclasses.MISSING}
         return items, defaults
     raise InvalidTypeError(f"cannot use {type(value).__name__} as {what}")
+
+
+def is_finite_real(value: Any) -> bool:
+    """A finite real number (an int, a float, a NumPy scalar), not a ``bool``, ``None`` or a string."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value))
+
+
+def is_integer(value: Any) -> bool:
+    """An integral number, not a ``bool``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

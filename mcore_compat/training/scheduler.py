@@ -19,7 +19,7 @@ from typing import Any
 
 from ..capabilities import has
 from ..errors import InvalidArgumentError
-from ._common import installed_version
+from ._common import installed_version, is_finite_real
 
 __all__ = ["ParamScheduler", "optimizer_param_scheduler"]
 
@@ -61,26 +61,50 @@ def _fill_group_bounds(optimizer: Any, max_lr: float, min_lr: float, lr_mult_in_
     return filled
 
 
-def _check(init_lr: float, max_lr: float, min_lr: float, warmup: int, decay: int, style: str, start_wd: float,
-           end_wd: float, wd_style: str, use_checkpoint: bool | None, override: bool | None, wsd_steps: int | None,
-           wsd_style: str | None) -> None:
-    """Refuse what Megatron's scheduler asserts, with one message naming every problem."""
+def _check(init_lr: Any, max_lr: Any, min_lr: Any, lr_warmup_steps: Any, lr_decay_steps: Any, lr_decay_style: Any,
+           start_wd: Any, end_wd: Any, wd_incr_steps: Any, wd_incr_style: Any, use_checkpoint: bool | None,
+           override: bool | None, wsd_decay_steps: Any, lr_wsd_decay_style: Any) -> None:
+    """Refuse what Megatron's scheduler asserts or cannot compute, before anything is changed, with one line
+    naming every bad setting: numbers that are not finite (a ``None`` ``min_lr``, a string), ``0 <= min_lr <=
+    max_lr``, ``0 <= init_lr <= max_lr``, ``0 <= lr_warmup_steps < lr_decay_steps``, the styles, WSD's
+    ``wsd_decay_steps >= 0``, ``0 <= start_wd <= end_wd`` (equal for ``constant``), ``wd_incr_steps >= 0``
+    (``> 0`` for an increasing style: Megatron divides by it). Step counts may be floats, as Megatron's
+    formulas allow (``0.9 * train_iters``)."""
     problems = []
-    if not 0.0 <= min_lr <= max_lr or init_lr > max_lr:
-        problems.append(f"need 0 <= min_lr <= max_lr and init_lr <= max_lr (got init_lr={init_lr}, "
-                        f"max_lr={max_lr}, min_lr={min_lr})")
-    if decay <= 0 or warmup >= decay:
-        problems.append(f"need 0 <= lr_warmup_steps < lr_decay_steps (got {warmup}, {decay})")
-    if style not in _LR_STYLES:
-        problems.append(f"lr_decay_style {style!r} is not one of {_LR_STYLES}")
-    if style == "WSD" and (wsd_steps is None or wsd_style not in _WSD_STYLES):
-        problems.append(f"WSD needs wsd_decay_steps and lr_wsd_decay_style in {_WSD_STYLES}")
-    if not 0.0 <= start_wd <= end_wd:
-        problems.append(f"need 0 <= start_wd <= end_wd (got {start_wd}, {end_wd})")
-    if wd_style not in _WD_STYLES:
-        problems.append(f"wd_incr_style {wd_style!r} is not one of {_WD_STYLES}")
-    elif wd_style == "constant" and start_wd != end_wd:
-        problems.append("wd_incr_style 'constant' needs start_wd == end_wd")
+    numbers = {"init_lr": init_lr, "max_lr": max_lr, "min_lr": min_lr, "start_wd": start_wd, "end_wd": end_wd,
+               "lr_warmup_steps": lr_warmup_steps, "lr_decay_steps": lr_decay_steps, "wd_incr_steps": wd_incr_steps}
+    if lr_decay_style == "WSD" and wsd_decay_steps is not None:
+        numbers["wsd_decay_steps"] = wsd_decay_steps
+    problems += [f"{k} must be a finite number (got {v!r})" for k, v in numbers.items() if not is_finite_real(v)]
+    if all(is_finite_real(v) for v in (init_lr, max_lr, min_lr)):
+        if not 0.0 <= min_lr <= max_lr:
+            problems.append(f"need 0 <= min_lr <= max_lr (got min_lr={min_lr}, max_lr={max_lr})")
+        if not 0.0 <= init_lr <= max_lr:
+            problems.append(f"need 0 <= init_lr <= max_lr (got init_lr={init_lr}, max_lr={max_lr})")
+    if (is_finite_real(lr_warmup_steps) and is_finite_real(lr_decay_steps)
+            and not 0 <= lr_warmup_steps < lr_decay_steps):
+        problems.append(f"need 0 <= lr_warmup_steps < lr_decay_steps (got lr_warmup_steps={lr_warmup_steps}, "
+                        f"lr_decay_steps={lr_decay_steps})")
+    if lr_decay_style not in _LR_STYLES:
+        problems.append(f"lr_decay_style {lr_decay_style!r} is not one of {_LR_STYLES}")
+    if lr_decay_style == "WSD":
+        if wsd_decay_steps is None:
+            problems.append("lr_decay_style 'WSD' needs wsd_decay_steps")
+        elif is_finite_real(wsd_decay_steps) and wsd_decay_steps < 0:
+            problems.append(f"need wsd_decay_steps >= 0 (got {wsd_decay_steps})")
+        if lr_wsd_decay_style not in _WSD_STYLES:
+            problems.append(f"lr_wsd_decay_style {lr_wsd_decay_style!r} is not one of {_WSD_STYLES} (WSD needs one)")
+    if is_finite_real(start_wd) and is_finite_real(end_wd) and not 0.0 <= start_wd <= end_wd:
+        problems.append(f"need 0 <= start_wd <= end_wd (got start_wd={start_wd}, end_wd={end_wd})")
+    if wd_incr_style not in _WD_STYLES:
+        problems.append(f"wd_incr_style {wd_incr_style!r} is not one of {_WD_STYLES}")
+    elif wd_incr_style == "constant":
+        if is_finite_real(start_wd) and is_finite_real(end_wd) and start_wd != end_wd:
+            problems.append(f"wd_incr_style 'constant' needs start_wd == end_wd (got {start_wd}, {end_wd})")
+        if is_finite_real(wd_incr_steps) and wd_incr_steps < 0:
+            problems.append(f"need wd_incr_steps >= 0 (got {wd_incr_steps})")
+    elif is_finite_real(wd_incr_steps) and wd_incr_steps <= 0:
+        problems.append(f"wd_incr_style {wd_incr_style!r} needs wd_incr_steps > 0 (got {wd_incr_steps})")
     if override and use_checkpoint:
         problems.append("override_opt_param_scheduler and use_checkpoint_opt_param_scheduler are both set")
     if problems:
@@ -115,8 +139,8 @@ class ParamScheduler:
         self.override_opt_param_scheduler = override_opt_param_scheduler
         self.num_steps = 0
         _check(init_lr, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style, start_wd, end_wd,
-               wd_incr_style, use_checkpoint_opt_param_scheduler, override_opt_param_scheduler, wsd_decay_steps,
-               lr_wsd_decay_style)
+               wd_incr_steps, wd_incr_style, use_checkpoint_opt_param_scheduler, override_opt_param_scheduler,
+               wsd_decay_steps, lr_wsd_decay_style)
         _fill_group_bounds(optimizer, max_lr, min_lr, lr_mult_in_bounds=False)  # it multiplies by lr_mult itself
         self.step(0)
 
@@ -228,12 +252,18 @@ def optimizer_param_scheduler(optimizer: Any, init_lr: float, max_lr: float, min
         Megatron-Core's ``OptimizerParamScheduler`` where the release has one (0.9+) that knows the styles
         asked for, else a :class:`ParamScheduler` (also for WSD's ``minus_sqrt`` on 0.9-0.12); both already
         applied step 0 to the groups.
+
+    Raises:
+        InvalidArgumentError: settings Megatron's scheduler asserts against or cannot compute (bounds out of
+            order, a negative learning rate or step count, an unknown style, a ``None`` bound): one line naming
+            each, before any group is changed.
     """
     args = (optimizer, init_lr, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style, start_wd,
             end_wd, wd_incr_steps, wd_incr_style, use_checkpoint_opt_param_scheduler, override_opt_param_scheduler,
             wsd_decay_steps, lr_wsd_decay_style)
-    _check(init_lr, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style, start_wd, end_wd, wd_incr_style,
-           use_checkpoint_opt_param_scheduler, override_opt_param_scheduler, wsd_decay_steps, lr_wsd_decay_style)
+    _check(init_lr, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style, start_wd, end_wd, wd_incr_steps,
+           wd_incr_style, use_checkpoint_opt_param_scheduler, override_opt_param_scheduler, wsd_decay_steps,
+           lr_wsd_decay_style)
     version = installed_version()
     _fill_group_bounds(optimizer, max_lr, min_lr, has("scheduler_ignores_lr_mult", version))
     # 0.9-0.12's scheduler lacks the WSD style 'minus_sqrt' (fact scheduler_wsd_minus_sqrt): ours serves it there.
