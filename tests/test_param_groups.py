@@ -194,3 +194,29 @@ def test_our_scheduler_applies_lr_mult_and_wd_mult_and_restores_its_state() -> N
     again = ParamScheduler(S._Groups(), **{**S.SCHEDULE, "lr_decay_style": "linear"})
     again.load_state_dict(sched.state_dict())
     assert again.num_steps == 2 and again.state_dict() == sched.state_dict()
+
+
+@pytest.mark.unit
+def test_optimizer_settings_are_refused_in_one_line_naming_each_bad_value() -> None:
+    from mcore_compat import training
+    from mcore_compat.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError) as info:
+        training.check_optimizer_config({"lr": "1e-5", "min_lr": -1.0, "adam_beta2": 1.0, "fp16": True,
+                                         "bf16": True, "hysteresis": 0})
+    message = str(info.value)
+    assert "\n" not in message
+    for part in ("lr must be a finite number (got '1e-5')", "need 0.0 <= min_lr", "adam_beta2 < 1.0",
+                 "fp16 and bf16 are both set", "hysteresis must be an integer > 0"):
+        assert part in message, message
+
+
+@pytest.mark.unit
+def test_optimizer_settings_users_train_with_pass_unchanged() -> None:
+    from mcore_compat import training
+
+    config = training.OptimConfig(lr=1e-6, min_lr=1e-7, decoupled_lr=1e-5, decoupled_min_lr=0.0, weight_decay=0.1,
+                                  bf16=True, clip_grad=0.0, adam_beta2=0.95, use_distributed_optimizer=True)
+    assert training.check_optimizer_config(config) == config
+    # fp16 with a static scale ignores the dynamic scaler's fields; lr left to the scheduler is fine
+    training.check_optimizer_config({"fp16": True, "loss_scale": 128.0, "hysteresis": 0, "lr": None})

@@ -28,7 +28,7 @@ from .finalize import (
     install_training_hooks,
 )
 from .optim_build import get_megatron_optimizer
-from .optim_config import OptimConfig, optimizer_config_of
+from .optim_config import OptimConfig, check_optimizer_config, optimizer_config_of
 from .optim_step import optimizer_step, set_lr_and_weight_decay
 from .param_groups import effective_lr_and_weight_decay
 from .param_sync import finish_param_sync
@@ -41,6 +41,7 @@ __all__ = [
     "OptimConfig",
     "ParamScheduler",
     "broadcast_params",
+    "check_optimizer_config",
     "check_training_hooks",
     "ddp_config_of",
     "effective_lr_and_weight_decay",

@@ -19,7 +19,7 @@ from .._config_translate import drop_or_raise
 from ..capabilities import has
 from ..errors import UnsupportedVersionError
 from ._common import as_chunk_list, default_dp_group, installed_version, parallel_state, same_group
-from .optim_config import OptimConfig, check_legacy_settings, optimizer_config_of
+from .optim_config import OptimConfig, check_legacy_settings, check_optimizer_config, optimizer_config_of
 from .optim_core import _private, _public
 from .optim_groups import _apply_lr_and_weight_decay, _skip_embedding_no_weight_decay
 from .param_sync import REQUEST_ATTR
@@ -125,7 +125,12 @@ def get_megatron_optimizer(
     Returns:
         Megatron's optimizer (``step() -> (update_successful, grad_norm, num_zeros_in_grad)``); on 0.4/0.5 the
         optimizer of ``mcore_compat.legacy_optimizer`` with the same interface.
+
+    Raises:
+        InvalidArgumentError: values no release can train with (see :func:`check_optimizer_config`), before anything
+            is built.
     """
+    check_optimizer_config(config)
     version = installed_version()
     chunks, _ = as_chunk_list(model_chunks)
     args = dict(no_weight_decay_cond=no_weight_decay_cond, scale_lr_cond=scale_lr_cond, lr_mult=lr_mult,

@@ -16,10 +16,10 @@ from packaging.version import Version
 from .._config_effects import harmless_if_missing
 from .._config_names import existence_text
 from .._config_translate import drop_or_raise, translate_fields
-from ..errors import UnsupportedVersionError
-from ._common import config_items, installed_version, mcore
+from ..errors import InvalidArgumentError, UnsupportedVersionError
+from ._common import config_items, installed_version, is_finite_real, is_integer, mcore
 
-__all__ = ["OptimConfig", "check_legacy_settings", "optimizer_config_of"]
+__all__ = ["OptimConfig", "check_legacy_settings", "check_optimizer_config", "optimizer_config_of"]
 
 
 @dataclass
@@ -72,6 +72,76 @@ class OptimConfig:
         # Megatron-internal bookkeeping fields (timers, set in __post_init__ ...) are not settings.
         extra.pop("timers", None)
         return cls(**{k: v for k, v in items.items() if k in own}, extra=extra)
+
+
+def _problems(cfg: OptimConfig) -> list[str]:
+    """What is wrong with ``cfg``'s values, in words (empty when nothing is)."""
+    problems: list[str] = []
+
+    def number(name: str, low: float, *, optional: bool = False, strict: bool = False, below: float | None = None,
+               ) -> bool:
+        value = getattr(cfg, name)
+        if value is None and optional:
+            return False
+        if not is_finite_real(value):
+            problems.append(f"{name} must be a finite number (got {value!r})")
+            return False
+        if value < low or (strict and value == low) or (below is not None and value >= below):
+            bound = f"{low} {'<' if strict else '<='} {name}" + (f" < {below}" if below is not None else "")
+            problems.append(f"need {bound} (got {name}={value!r})")
+            return False
+        return True
+
+    for name in ("lr", "min_lr", "decoupled_lr", "decoupled_min_lr"):
+        number(name, 0.0, optional=True)
+    for low, high in (("min_lr", "lr"), ("decoupled_min_lr", "decoupled_lr")):
+        a, b = getattr(cfg, low), getattr(cfg, high)
+        if is_finite_real(a) and is_finite_real(b) and 0.0 <= b < a:
+            problems.append(f"need {low} <= {high} (got {low}={a!r}, {high}={b!r})")
+    number("weight_decay", 0.0)
+    number("clip_grad", 0.0)
+    number("adam_beta1", 0.0, below=1.0)
+    number("adam_beta2", 0.0, below=1.0)
+    number("adam_eps", 0.0)
+    number("sgd_momentum", 0.0)
+    if cfg.fp16 and cfg.bf16:
+        problems.append("fp16 and bf16 are both set; choose one")
+    number("loss_scale", 0.0, optional=True, strict=True)
+    if cfg.fp16 and cfg.loss_scale is None:  # the dynamic loss scaler's settings (Megatron asserts these)
+        ok = number("initial_loss_scale", 0.0, strict=True) & number("min_loss_scale", 0.0, strict=True)
+        if ok and cfg.min_loss_scale > cfg.initial_loss_scale:
+            problems.append(f"need min_loss_scale <= initial_loss_scale (got {cfg.min_loss_scale!r}, "
+                            f"{cfg.initial_loss_scale!r})")
+        number("loss_scale_window", 0.0, strict=True)
+        if not (is_integer(cfg.hysteresis) and cfg.hysteresis > 0):
+            problems.append(f"hysteresis must be an integer > 0 (got {cfg.hysteresis!r})")
+    return problems
+
+
+def check_optimizer_config(config: Any) -> OptimConfig:
+    """``config`` as an :class:`OptimConfig`, after refusing values no release can train with.
+
+    Checked before anything is built, on every release alike: learning rates (``lr``, ``min_lr``,
+    ``decoupled_lr``, ``decoupled_min_lr``) finite and ``>= 0`` where given, each floor at most its peak;
+    ``weight_decay``, ``clip_grad`` (0 turns clipping off), ``adam_eps`` and ``sgd_momentum`` finite and ``>= 0``;
+    Adam's betas in ``[0, 1)``; not both ``fp16`` and ``bf16``; a static ``loss_scale > 0``; for fp16's dynamic
+    scaler ``0 < min_loss_scale <= initial_loss_scale``, ``loss_scale_window > 0`` and an integer
+    ``hysteresis > 0``. A string such as ``"1e-5"`` (a config file's unparsed value) is refused, not converted.
+
+    Args:
+        config: :class:`OptimConfig`, a mapping of its fields, or Megatron's ``OptimizerConfig``.
+
+    Returns:
+        The settings as an :class:`OptimConfig` (a copy; ``config`` is not changed).
+
+    Raises:
+        InvalidArgumentError: one line naming every bad value and the range it needs.
+    """
+    cfg = OptimConfig.from_any(config)
+    problems = _problems(cfg)
+    if problems:
+        raise InvalidArgumentError("optimizer settings: " + "; ".join(problems))
+    return cfg
 
 
 def _megatron_optimizer_config_class() -> Any:
