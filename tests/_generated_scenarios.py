@@ -6,8 +6,12 @@ and compares what it built with three oracles.
 * raw Megatron on this release, where the raw call accepts the settings (its ``OptimizerParamScheduler`` on the
   same groups, 0.9+).
 
+Properties: ``schedule`` (every parameter's lr and weight decay over a schedule, resumed in the middle, against
+both oracles) and ``invalid`` (one change from :data:`INVALID_OPTIMIZER` or :data:`INVALID_SCHEDULE` to a valid draw
+is refused with an ``InvalidArgumentError`` in one line naming the setting, before any group changes).
+
 Not yet: the third oracle (values recorded on a reference release and compared in every session), the optimizer
-update and invalid-settings properties, the DDP and config-builder settings.
+update property, the DDP and config-builder settings.
 
 Both ranks draw the same examples (a fixed seed per property, the same committed example database, read-only),
 build the same things and decide on data gathered from both, so they pass, fail and shrink in step. Each property
@@ -30,7 +34,7 @@ from _training_scenarios import apply_patches
 HERE = Path(__file__).resolve().parent
 DATABASE = HERE / "data" / "hypothesis"
 #: Examples per property and release session (the committed cases and database entries come on top).
-EXAMPLES = {"schedule": 12}
+EXAMPLES = {"schedule": 12, "invalid": 30}
 #: Set (to anything) to let rank 0 save new failing examples into the committed database while developing.
 SAVE_ENV = "MCORE_COMPAT_HYPOTHESIS_SAVE"
 REL = 1e-9
@@ -88,7 +92,9 @@ def rule_of(name: str, shape: list[int], build: dict[str, Any]) -> O.GroupRule:
                        scaled=bool(build["scale"]) and _scale_fc(name, None), no_decay=no_decay)
 
 
-def _build(build: dict[str, Any]) -> tuple[list[Any], Any]:
+def _build(build: dict[str, Any], changes: dict[str, Any] | None = None) -> tuple[list[Any], Any]:
+    """The DDP-wrapped tiny model and the optimizer built for ``build``; ``changes`` are set on the
+    ``OptimConfig`` after it is made (the invalid-settings property's mutations)."""
     import torch
 
     from mcore_compat import training
@@ -102,12 +108,18 @@ def _build(build: dict[str, Any]) -> tuple[list[Any], Any]:
         adam_beta1=build["beta1"], adam_beta2=build["beta2"], adam_eps=build["eps"],
         decoupled_weight_decay=build["decoupled_wd"], use_distributed_optimizer=distopt, bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32)
+    for name, value in (changes or {}).items():
+        setattr(config, name, value)
     kwargs: dict[str, Any] = {}
     if NO_WD_CONDS[build["no_wd"]] is not None:
         kwargs["no_weight_decay_cond"] = NO_WD_CONDS[build["no_wd"]]
     if build["scale"]:
         kwargs.update(scale_lr_cond=_scale_fc, lr_mult=build["lr_mult"])
-    return chunks, training.get_megatron_optimizer(config, chunks, **kwargs)
+    try:
+        return chunks, training.get_megatron_optimizer(config, chunks, **kwargs)
+    except BaseException:
+        _release(chunks)
+        raise
 
 
 def _release(chunks: list[Any]) -> None:
@@ -319,6 +331,151 @@ def _schedule_property(version: str) -> dict[str, Any]:
     return _run_property("schedule", version, test)
 
 
+# One change that makes a valid draw invalid: (the setting the one-line message must name, the changes as a
+# function of the valid settings). The optimizer's are set on the OptimConfig; the scheduler's on its arguments.
+Changes = Callable[[dict[str, Any]], dict[str, Any]]
+INVALID_OPTIMIZER: dict[str, tuple[str, Changes]] = {
+    "lr negative": ("lr", lambda b: {"lr": -b["lr"]}),
+    "lr nan": ("lr", lambda b: {"lr": math.nan}),
+    "lr inf": ("lr", lambda b: {"lr": math.inf}),
+    "lr a string (a config file's unparsed value)": ("lr", lambda b: {"lr": f"{b['lr']}"}),
+    "min_lr above lr": ("min_lr", lambda b: {"min_lr": 2 * b["lr"]}),
+    "min_lr negative": ("min_lr", lambda b: {"min_lr": -b["lr"] / 10}),
+    "decoupled_lr negative": ("decoupled_lr", lambda b: {"decoupled_lr": -1e-4}),
+    "decoupled_min_lr above decoupled_lr": ("decoupled_min_lr", lambda b: {
+        "decoupled_lr": b["decoupled_lr"] or b["lr"], "decoupled_min_lr": 2 * (b["decoupled_lr"] or b["lr"])}),
+    "weight_decay negative": ("weight_decay", lambda b: {"weight_decay": -0.01}),
+    "weight_decay None": ("weight_decay", lambda b: {"weight_decay": None}),
+    "clip_grad negative": ("clip_grad", lambda b: {"clip_grad": -1.0}),
+    "clip_grad None": ("clip_grad", lambda b: {"clip_grad": None}),
+    "adam_beta1 one": ("adam_beta1", lambda b: {"adam_beta1": 1.0}),
+    "adam_beta1 negative": ("adam_beta1", lambda b: {"adam_beta1": -0.1}),
+    "adam_beta2 above one": ("adam_beta2", lambda b: {"adam_beta2": 1.5}),
+    "adam_eps negative": ("adam_eps", lambda b: {"adam_eps": -b["eps"]}),
+    "fp16 and bf16": ("fp16", lambda b: {"fp16": True, "bf16": True}),
+    "static loss_scale zero": ("loss_scale", lambda b: {"fp16": True, "bf16": False, "loss_scale": 0.0}),
+    "dynamic scaler min above initial": ("min_loss_scale", lambda b: {
+        "fp16": True, "bf16": False, "initial_loss_scale": 2.0**16, "min_loss_scale": 2.0**17}),
+    "dynamic scaler hysteresis zero": ("hysteresis", lambda b: {"fp16": True, "bf16": False, "hysteresis": 0}),
+}
+INVALID_SCHEDULE: dict[str, tuple[str, Changes]] = {
+    "min_lr above max_lr": ("min_lr", lambda s: {"min_lr": 2 * s["max_lr"]}),
+    "min_lr None": ("min_lr", lambda s: {"min_lr": None}),
+    "min_lr negative": ("min_lr", lambda s: {"min_lr": -s["max_lr"] / 10}),
+    "max_lr nan": ("max_lr", lambda s: {"max_lr": math.nan}),
+    "max_lr negative": ("max_lr", lambda s: {"max_lr": -s["max_lr"], "min_lr": 0.0, "init_lr": 0.0}),
+    "init_lr above max_lr": ("init_lr", lambda s: {"init_lr": 2 * s["max_lr"]}),
+    "init_lr negative": ("init_lr", lambda s: {"init_lr": -s["max_lr"]}),
+    "warmup as long as the decay": ("lr_warmup_steps", lambda s: {"lr_warmup_steps": s["lr_decay_steps"]}),
+    "warmup negative": ("lr_warmup_steps", lambda s: {"lr_warmup_steps": -1}),
+    "no decay steps": ("lr_decay_steps", lambda s: {"lr_decay_steps": 0, "lr_warmup_steps": 0}),
+    "decay steps a string": ("lr_decay_steps", lambda s: {"lr_decay_steps": str(s["lr_decay_steps"])}),
+    "unknown lr style": ("lr_decay_style", lambda s: {"lr_decay_style": "cosinus"}),
+    "WSD without decay steps": ("wsd_decay_steps", lambda s: {
+        "lr_decay_style": "WSD", "wsd_decay_steps": None, "lr_wsd_decay_style": "linear"}),
+    "WSD with an unknown sub-style": ("lr_wsd_decay_style", lambda s: {
+        "lr_decay_style": "WSD", "wsd_decay_steps": 1, "lr_wsd_decay_style": "cosinus"}),
+    "WSD decay steps negative": ("wsd_decay_steps", lambda s: {
+        "lr_decay_style": "WSD", "wsd_decay_steps": -1, "lr_wsd_decay_style": "linear"}),
+    "start_wd above end_wd": ("start_wd", lambda s: {
+        "wd_incr_style": "linear", "start_wd": s["end_wd"] + 0.1}),
+    "start_wd negative": ("start_wd", lambda s: {"wd_incr_style": "linear", "start_wd": -0.1}),
+    "end_wd nan": ("end_wd", lambda s: {"end_wd": math.nan}),
+    "constant wd that changes": ("start_wd", lambda s: {
+        "wd_incr_style": "constant", "start_wd": 0.0, "end_wd": 0.1}),
+    "unknown wd style": ("wd_incr_style", lambda s: {"wd_incr_style": "linearly"}),
+    "increasing wd over no steps": ("wd_incr_steps", lambda s: {
+        "wd_incr_style": "cosine", "wd_incr_steps": 0, "start_wd": 0.0, "end_wd": 0.1}),
+    "override and use_checkpoint": ("override_opt_param_scheduler", lambda s: {
+        "override_opt_param_scheduler": True, "use_checkpoint_opt_param_scheduler": True}),
+}
+
+
+#: The valid draw every invalid change is applied to once per session (a decoupled embedding, a scaled linear
+#: layer, a WSD schedule with a weight-decay increment).
+BASE_BUILD: dict[str, Any] = {
+    "lr": 1e-3, "min_lr": 1e-4, "decoupled_lr": 2e-3, "decoupled_min_lr": 1e-4, "weight_decay": 0.1, "no_wd": "default",
+    "scale": True, "lr_mult": 2.0, "distopt": True, "bf16": True, "clip_grad": 1.0, "beta1": 0.9, "beta2": 0.95,
+    "eps": 1e-8, "decoupled_wd": True}
+BASE_SCHEDULE: dict[str, Any] = {
+    "init_lr": 0.0, "max_lr": 1e-3, "min_lr": 1e-4, "lr_warmup_steps": 2, "lr_decay_steps": 10,
+    "lr_decay_style": "WSD", "start_wd": 0.05, "end_wd": 0.1, "wd_incr_steps": 10, "wd_incr_style": "linear",
+    "wsd_decay_steps": 4, "lr_wsd_decay_style": "cosine", "resume_at": 0, "steps": 12}
+
+
+def _snapshot(optimizer: Any) -> list[dict[str, Any]]:
+    """The param groups' settings (everything but the parameters), to tell that nothing was changed."""
+    return [{k: repr(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def observe_invalid(build: dict[str, Any], sched: dict[str, Any], case: str) -> dict[str, Any]:
+    """Apply the invalid change ``case`` to a valid draw: ``{"error": type name, "message", "changed": whether
+    the groups' settings changed}`` (``error`` None when nothing was raised)."""
+    from mcore_compat import training
+
+    out: dict[str, Any] = {"error": None, "message": "", "changed": False}
+    if case in INVALID_OPTIMIZER:
+        changes = INVALID_OPTIMIZER[case][1](build)
+        try:
+            chunks, optimizer = _build(build, changes)
+        except Exception as exc:
+            return {**out, "error": type(exc).__name__, "message": str(exc)}
+        _release(chunks)
+        return out
+    chunks, optimizer = _build(build)
+    before = _snapshot(optimizer)
+    kwargs = {k: v for k, v in sched.items() if k not in ("resume_at", "steps")}
+    kwargs.update(INVALID_SCHEDULE[case][1](sched))
+    try:
+        training.optimizer_param_scheduler(optimizer, **kwargs)
+    except Exception as exc:
+        out.update(error=type(exc).__name__, message=str(exc))
+    out["changed"] = _snapshot(optimizer) != before
+    _release(chunks)
+    return out
+
+
+def invalid_mismatches(case: str, observed: dict[str, Any]) -> list[str]:
+    """What ``observed`` (from :func:`observe_invalid`) gets wrong: the refusal must be an InvalidArgumentError
+    in one line that names the setting, with nothing changed."""
+    setting = {**INVALID_OPTIMIZER, **INVALID_SCHEDULE}[case][0]
+    bad = []
+    if observed["error"] != "InvalidArgumentError":
+        bad.append(f"{case}: raised {observed['error']} ({observed['message'][:200]!r}), not InvalidArgumentError")
+    elif "\n" in observed["message"] or setting not in observed["message"]:
+        bad.append(f"{case}: the message is not one line naming {setting}: {observed['message']!r}")
+    if observed["changed"]:
+        bad.append(f"{case}: the param groups changed before the refusal")
+    return bad
+
+
+def _invalid_property(version: str) -> dict[str, Any]:
+    st, builds, schedules = _strategies()
+    from hypothesis import given
+
+    counter = [0]
+    cases = sorted(INVALID_OPTIMIZER) + sorted(INVALID_SCHEDULE)
+    # Every change once on one valid draw (the drawn examples below may miss some), then drawn ones.
+    bad = [m for case in cases for m in invalid_mismatches(case, observe_invalid(BASE_BUILD, BASE_SCHEDULE, case))]
+    if bad:
+        return {"status": "fail", "examples": len(cases), "failure": "every change on the base draw: " +
+                "; ".join(bad)}
+
+    @_settings("invalid", version)
+    @given(st.data())
+    def test(data: Any) -> None:
+        build = data.draw(builds, label="build")
+        sched = data.draw(schedules(build), label="schedule")
+        case = data.draw(st.sampled_from(cases), label="invalid change")
+        counter[0] += 1
+        bad = invalid_mismatches(case, observe_invalid(build, sched, case))
+        assert not bad, "; ".join(bad)
+
+    test._examples = counter  # type: ignore[attr-defined]
+    result = _run_property("invalid", version, test)
+    return {**result, "examples": result["examples"] + len(cases)}
+
+
 def run_all() -> dict[str, Any]:
     """Every property on this rank: ``{"version", "cases": {name: result}}``."""
     from mcore_compat import symbols
@@ -328,7 +485,7 @@ def run_all() -> dict[str, Any]:
     version = str(detect().version)
     symbols.resolve("parallel_state").initialize_model_parallel()
     try:
-        cases = {"schedule": _schedule_property(version)}
+        cases = {"schedule": _schedule_property(version), "invalid": _invalid_property(version)}
     finally:
         symbols.resolve("parallel_state").destroy_model_parallel()
     return {"version": version, "cases": cases}
