@@ -7,11 +7,16 @@ and compares what it built with three oracles.
   same groups, 0.9+).
 
 Properties: ``schedule`` (every parameter's lr and weight decay over a schedule, resumed in the middle, against
-both oracles) and ``invalid`` (one change from :data:`INVALID_OPTIMIZER` or :data:`INVALID_SCHEDULE` to a valid draw
-is refused with an ``InvalidArgumentError`` in one line naming the setting, before any group changes).
+both oracles), ``invalid`` (one change from :data:`INVALID_OPTIMIZER` or :data:`INVALID_SCHEDULE` to a valid draw
+is refused with an ``InvalidArgumentError`` in one line naming the setting, before any group changes) and
+``update`` (1-3 real training steps, forward, backward, ``finalize_model_grads``, ``optimizer_step``: each step's
+gradient against a float64 replica of the model in plain torch, the reported grad norm against the gradients', the
+fp32 main params after the steps against Adam in float64 with the spec's per-parameter lr and weight decay, coupled
+or decoupled; faults it was seen to catch inside Megatron 0.16.1: the grad norm not summed over the distributed
+optimizer's shards, DDP summing instead of averaging, beta2 taking beta1's value).
 
-Not yet: the third oracle (values recorded on a reference release and compared in every session), the optimizer
-update property, the DDP and config-builder settings.
+Not yet: the third oracle (values recorded on a reference release and compared in every session), fp16 with its
+loss scaler in the update property, the DDP and config-builder settings.
 
 Both ranks draw the same examples (a fixed seed per property, the same committed example database, read-only),
 build the same things and decide on data gathered from both, so they pass, fail and shrink in step. Each property
@@ -20,6 +25,7 @@ returns ``{"status", "examples", "failure"}``; a failure carries Hypothesis's fa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import traceback
@@ -34,7 +40,7 @@ from _training_scenarios import apply_patches
 HERE = Path(__file__).resolve().parent
 DATABASE = HERE / "data" / "hypothesis"
 #: Examples per property and release session (the committed cases and database entries come on top).
-EXAMPLES = {"schedule": 12, "invalid": 30}
+EXAMPLES = {"schedule": 12, "invalid": 30, "update": 10}
 #: Set (to anything) to let rank 0 save new failing examples into the committed database while developing.
 SAVE_ENV = "MCORE_COMPAT_HYPOTHESIS_SAVE"
 REL = 1e-9
@@ -65,8 +71,8 @@ def _model(bf16: bool) -> Any:
         def set_input_tensor(self, tensor: Any) -> None:
             self.input_tensor = tensor
 
-        def forward(self, x: Any) -> Any:
-            return self.fc(x * self.norm)[0]
+        def forward(self, tokens: Any) -> Any:
+            return self.fc(self.embedding[tokens] * self.norm)[0]
 
     torch.manual_seed(1234)
     return Tiny()
@@ -476,6 +482,164 @@ def _invalid_property(version: str) -> dict[str, Any]:
     return {**result, "examples": result["examples"] + len(cases)}
 
 
+# ------------------------------------------------------------------------------------------ the optimizer update
+def _tokens(rank: int, step: int) -> Any:
+    import torch
+
+    return torch.randint(0, 6, (4, 3), generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _loss(out: Any) -> Any:
+    return (out.float() ** 2).mean()
+
+
+def reference_grads(params: dict[str, Any], step: int, world: int) -> dict[str, list[float]]:
+    """The data-parallel average of every rank's gradient, from a float64 replica of the tiny model in plain
+    torch (the model's weights as they are, every rank's tokens): shares no code with Megatron or mcore_compat."""
+    import torch
+
+    leaves = {n: p.detach().to(torch.float64).clone().requires_grad_(True) for n, p in params.items()}
+    total = None
+    for rank in range(world):
+        h = leaves["embedding"][_tokens(rank, step)] * leaves["norm"]
+        loss = _loss(h @ leaves["fc.weight"].t() + leaves["fc.bias"]) / world
+        total = loss if total is None else total + loss
+    assert total is not None
+    total.backward()
+    return {n: [float(x) for x in leaf.grad.reshape(-1)] for n, leaf in leaves.items()}
+
+
+def _main_state(optimizer: Any, chunks: list[Any]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Every parameter's fp32 main values and the gradient the optimizer will read, merged over the ranks (the
+    distributed optimizer's shards put together), read through mcore_compat's optimizer view (a reader: a bug in
+    it shows as a mismatch, it cannot hide a wrong update)."""
+    from mcore_compat._optimizer_view import optimizer_view
+
+    named = _named(chunks)
+    view = optimizer_view(optimizer, {p: n for n, p in named.items()})
+    assert view.unsupported is None, view.unsupported
+    mine = []
+    for mp in view:
+        grad = mp.finalized_grad()
+        mine.append((mp.name, mp.start, [float(x) for x in mp.main.detach().reshape(-1)],
+                     None if grad is None else [float(x) for x in grad.reshape(-1)]))
+    values = {n: [math.nan] * p.numel() for n, p in named.items()}
+    grads = {n: [math.nan] * p.numel() for n, p in named.items()}
+    for part in _all_ranks(mine):
+        for name, start, main, grad in part:
+            offset = start or 0
+            values[name][offset:offset + len(main)] = main
+            grads[name][offset:offset + len(main)] = grad if grad is not None else [0.0] * len(main)
+    return values, grads
+
+
+def _norm_rel_error(a: list[float], b: list[float]) -> float:
+    diff = math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b, strict=True)))
+    return diff / max(math.sqrt(sum(y * y for y in b)), 1e-30)
+
+
+def observe_update(build: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Build the optimizer, train ``steps`` steps (forward, backward, ``finalize_model_grads``,
+    ``optimizer_step``) on the ranks' own tokens: the main values before the first step, the gradients and the
+    reported grad norm of every step, the main values after the last, and every step's reference gradients.
+    ``{"refused": message}`` when the release refuses the settings."""
+    import torch.distributed as dist
+
+    from mcore_compat import training
+    from mcore_compat.errors import UnsupportedVersionError
+
+    try:
+        chunks, optimizer = _build(build)
+    except UnsupportedVersionError as exc:
+        return {"refused": str(exc)}
+    named = _named(chunks)
+    start, _ = _main_state(optimizer, chunks)
+    out: dict[str, Any] = {"refused": None, "start": start, "grads": [], "norms": [], "reference": []}
+    for step in range(steps):
+        out["reference"].append(reference_grads(named, step, dist.get_world_size()))
+        training.zero_grad_buffer(chunks, optimizer)
+        _loss(chunks[0](_tokens(dist.get_rank(), step))).backward()
+        training.finalize_model_grads(chunks)
+        out["grads"].append(_main_state(optimizer, chunks)[1])
+        ok, norm, _ = training.optimizer_step(optimizer)
+        assert ok, "the optimizer step was skipped"
+        out["norms"].append(None if norm is None else float(norm))
+    out["end"] = _main_state(optimizer, chunks)[0]
+    out["shapes"] = {n: list(p.shape) for n, p in named.items()}
+    _release(chunks)
+    return out
+
+
+def update_mismatches(build: dict[str, Any], observed: dict[str, Any]) -> list[str]:
+    """What ``observed`` (from :func:`observe_update`) gets wrong against the spec: each step's gradient against
+    the float64 replica's (norm-wise, 1e-5 in fp32, 3e-2 in bf16), the reported grad norm against the gradients'
+    (where clipping is on), and the main values after the steps against Adam in float64 from the same start and
+    the gradients the optimizer read, with each parameter's (lr, weight decay) from the spec's grouping."""
+    if observed["refused"] is not None:
+        try:  # the release's own OptimizerConfig says whether it has the field (none on 0.4/0.5)
+            from megatron.core.optimizer import OptimizerConfig
+            fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
+        except ImportError:
+            fields = set()
+        if build["decoupled_wd"] or "decoupled_weight_decay" in fields:
+            return [f"refused settings the release supports: {observed['refused']}"]
+        return []
+    bad = []
+    grad_tol = 3e-2 if build["bf16"] else 1e-5
+    for step, (got, want) in enumerate(zip(observed["grads"], observed["reference"], strict=True)):
+        for name in want:
+            err = _norm_rel_error(got[name], want[name])
+            if not err <= grad_tol:
+                bad.append(f"step {step}: {name}'s gradient is {err:.2e} (norm-wise) from the float64 replica's")
+        if build["clip_grad"] > 0 and observed["norms"][step] is not None:
+            norm = math.sqrt(sum(g * g for gs in got.values() for g in gs))
+            if not math.isclose(observed["norms"][step], norm, rel_tol=1e-5):
+                bad.append(f"step {step}: reported grad norm {observed['norms'][step]!r}, the gradients' is {norm!r}")
+    spec = O.Schedule(init_lr=0.0, max_lr=build["lr"], min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=1,
+                      lr_decay_style="constant", start_wd=0.0, end_wd=0.0, wd_incr_steps=0,
+                      wd_incr_style="constant")
+    hyper = {}
+    for name, shape in observed["shapes"].items():
+        rule = rule_of(name, shape, build)
+        peak, _ = O.bounds(rule, lr=build["lr"], min_lr=build["min_lr"], decoupled_lr=build["decoupled_lr"],
+                           decoupled_min_lr=build["decoupled_min_lr"],
+                           lr_mult=build["lr_mult"] if build["scale"] else 1.0, s=spec)
+        hyper[name] = (peak, 0.0 if rule.no_decay else build["weight_decay"])
+    adam = O.Adam(beta1=build["beta1"], beta2=build["beta2"], eps=build["eps"], decoupled=build["decoupled_wd"],
+                  clip_grad=build["clip_grad"])
+    want_end = O.adam_steps(observed["start"], observed["grads"], [hyper] * len(observed["grads"]), adam)
+    for name, values in observed["end"].items():
+        lr = hyper[name][0]
+        for i, (got_v, want_v, was) in enumerate(zip(values, want_end[name], observed["start"][name], strict=True)):
+            # fp32 arithmetic: a few ulp of the value, and a relative 1e-4 of the steps taken
+            tol = 4 * 2.0 ** -23 * max(abs(want_v), abs(was)) + 1e-4 * lr * len(observed["grads"])
+            if not abs(got_v - want_v) <= tol:
+                bad.append(f"{name}[{i}] after {len(observed['grads'])} step(s): {got_v!r}, Adam gives {want_v!r} "
+                           f"(from {was!r}, lr {lr!r}, wd {hyper[name][1]!r})")
+                break
+    return bad
+
+
+def _update_property(version: str) -> dict[str, Any]:
+    st, builds, _ = _strategies()
+    from hypothesis import given
+
+    counter = [0]
+
+    @_settings("update", version)
+    @given(st.data())
+    def test(data: Any) -> None:
+        build = dict(data.draw(builds, label="build"))
+        build["decoupled_wd"] = data.draw(st.booleans(), label="decoupled weight decay")
+        steps = data.draw(st.integers(1, 3), label="steps")
+        counter[0] += 1
+        bad = update_mismatches(build, observe_update(build, steps))
+        assert not bad, "; ".join(bad[:4])
+
+    test._examples = counter  # type: ignore[attr-defined]
+    return _run_property("update", version, test)
+
+
 def run_all() -> dict[str, Any]:
     """Every property on this rank: ``{"version", "cases": {name: result}}``."""
     from mcore_compat import symbols
@@ -485,7 +649,8 @@ def run_all() -> dict[str, Any]:
     version = str(detect().version)
     symbols.resolve("parallel_state").initialize_model_parallel()
     try:
-        cases = {"schedule": _schedule_property(version), "invalid": _invalid_property(version)}
+        cases = {"schedule": _schedule_property(version), "invalid": _invalid_property(version),
+                 "update": _update_property(version)}
     finally:
         symbols.resolve("parallel_state").destroy_model_parallel()
     return {"version": version, "cases": cases}
