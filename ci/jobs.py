@@ -53,7 +53,8 @@ def run_pytest(env: MatrixEnv, python: str, release: Release | None, marker: str
 
     The JUnit file, the fault-injection scores (``MCORE_COMPAT_FAULT_REPORT``: faults where mcore_compat acts;
     ``MCORE_COMPAT_MEGATRON_FAULT_REPORT``: faults inside Megatron-Core), the committed checkpoints of other
-    releases loaded on this one (``MCORE_COMPAT_CHECKPOINT_REPORT``: tests/test_checkpoint_cross.py) and where the
+    releases loaded on this one (``MCORE_COMPAT_CHECKPOINT_REPORT``: tests/test_checkpoint_cross.py), the
+    generated settings' case counts (``MCORE_COMPAT_GENERATED_REPORT``: tests/test_generated_settings.py) and where the
     session's time went
     (``MCORE_COMPAT_TIMING_REPORT``, into ``result.timing["inside_pytest"]``) go to ``.cache/logs/<result.name>.*``. Exit status 5 (no test collected) fails the job.
 
@@ -76,6 +77,8 @@ def run_pytest(env: MatrixEnv, python: str, release: Release | None, marker: str
     megatron_faults.unlink(missing_ok=True)
     checkpoints = logs / f"{result.name}.checkpoints.json"
     checkpoints.unlink(missing_ok=True)
+    generated = logs / f"{result.name}.generated.json"
+    generated.unlink(missing_ok=True)
     timing = logs / f"{result.name}.timing.json"
     timing.unlink(missing_ok=True)
     argv: list[str | Path] = [env.layout.base_python(python), "-P", "-m", "pytest", *TEST_PATHS, "-m", marker, "-p",
@@ -84,6 +87,7 @@ def run_pytest(env: MatrixEnv, python: str, release: Release | None, marker: str
     run_env["MCORE_COMPAT_FAULT_REPORT"] = str(faults)  # the fault-injection suite writes its score there
     run_env["MCORE_COMPAT_MEGATRON_FAULT_REPORT"] = str(megatron_faults)  # tests/test_megatron_faults.py's score
     run_env["MCORE_COMPAT_CHECKPOINT_REPORT"] = str(checkpoints)  # tests/test_checkpoint_cross.py's loads
+    run_env["MCORE_COMPAT_GENERATED_REPORT"] = str(generated)  # tests/test_generated_settings.py's case counts
     run_env["MCORE_COMPAT_TIMING_REPORT"] = str(timing)  # tests/conftest.py: where the session's time went
     if release is not None:  # tests/test_selfcheck_real.py: the CLI sweep's configurations, run in the warm ranks
         selfcheck = logs / f"{release.session}.selfcheck.json"
@@ -105,6 +109,8 @@ def run_pytest(env: MatrixEnv, python: str, release: Release | None, marker: str
                                                         "clean")}
     if checkpoints.is_file():
         result.checkpoints = json.loads(checkpoints.read_text(encoding="utf-8"))["loads"]
+    if generated.is_file():
+        result.generated = json.loads(generated.read_text(encoding="utf-8"))
     if code == PYTEST_NO_TESTS:  # a session that tested nothing proves nothing: a wrong path, marker or -k
         out.say(f"ERROR: pytest collected no test (exit status {code}); a session must run tests")
         result.details = result.details or f"pytest collected no test (exit status {code})"

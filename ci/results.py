@@ -32,6 +32,8 @@ class JobResult:
             not exist or run on the release is not acting, never caught).
         checkpoints: the committed checkpoints of other releases loaded on this one (tests/test_checkpoint_cross.py):
             ``{"<saving release>": {"full": "exact" | "refused: ..." | ..., "weights": ...}}``.
+        generated: the generated-settings properties (tests/test_generated_settings.py): ``{"examples": {property:
+            count}, "failed": [property]}``.
         timing: seconds per phase (``prepare``, ``startup``, ``pytest``, ``selfcheck``) and what the suite
             measured inside pytest (``inside_pytest``: see tests/conftest.py); :func:`timing_line` renders it.
     """
@@ -51,6 +53,7 @@ class JobResult:
     faults: dict[str, Any] = field(default_factory=dict)
     megatron_faults: dict[str, Any] = field(default_factory=dict)
     checkpoints: dict[str, Any] = field(default_factory=dict)
+    generated: dict[str, Any] = field(default_factory=dict)
     timing: dict[str, Any] = field(default_factory=dict)
 
 
@@ -127,6 +130,7 @@ def cpu_record(install: str, result: JobResult) -> dict[str, Any]:
         "fault_detection": result.faults or None,
         "megatron_fault_detection": result.megatron_faults or None,
         "checkpoint_cross": result.checkpoints or None,
+        "generated_settings": result.generated or None,
         "timing": timing_record(result) or None,
     }
 

@@ -533,3 +533,30 @@ def test_the_checkpoint_loads_are_recorded_and_shown(tmp_path: Path, monkeypatch
     assert _checkpoints_cell({"checkpoint_cross": refused}) == \
         "0.4.0-0.19.2: 2/3 exact; 0.4.0 weights exact; optimizer refused"
     assert _checkpoints_cell({"result": "pass"}) == "—" and _checkpoints_cell(None) == "—"
+
+
+def test_the_generated_settings_counts_are_recorded_and_shown(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/test_generated_settings.py writes its examples per property to MCORE_COMPAT_GENERATED_REPORT; the CPU
+    record keeps them and the support table's 'generated settings' shows them, marking a failed property."""
+    from mcore_compat.support.render import _generated_cell
+
+    fake, _ = _fake_nox()
+    nf = _load_noxfile_with(fake, monkeypatch)
+    env = nf.matrix_env.MatrixEnv(nf.matrix_env.Layout(tmp_path), nf.ENV.matrix)
+    score = {"examples": {"schedule": 12, "invalid": 72, "update": 10}, "failed": ["update"]}
+
+    def fake_pytest(self: Any, argv: list[str], env: dict[str, str] | None = None, check: bool = True,
+                    cwd: Any = None) -> int:
+        assert env is not None
+        Path(env["MCORE_COMPAT_GENERATED_REPORT"]).write_text(json.dumps(score))
+        return 0
+
+    monkeypatch.setattr(nf.Out, "run", fake_pytest)
+    result, out = nf.results.JobResult("mcore-0.10.0"), nf.Out(tmp_path / "s.log")
+    nf.jobs.run_pytest(env, "3.11", None, "mcore", out, result, ())
+    out.close()
+    record = nf.results.cpu_record("wheel", result)
+    assert record["generated_settings"] == score
+    assert _generated_cell(record) == "schedule 12, invalid 72, update 10 FAILED"
+    assert _generated_cell({"result": "pass"}) == "—" and _generated_cell(None) == "—"

@@ -41,6 +41,11 @@ tied-embedding and sequence-parallel all-reduces, a layer's forward), caught ove
 checkpoints (`tests/data/checkpoints/<A>/`) that `mcore_compat.save_checkpoint` wrote on each release A, with and
 without the optimizer; "exact": every weight, main param, both Adam moments and the step equal to A's values bit for
 bit, and a step trains after the load (a refusal is named by its error).
+**Generated settings**: `tests/test_generated_settings.py`, the examples Hypothesis drew per property (a fixed
+seed: every release draws the same): `schedule` (every parameter's lr and weight decay over a drawn schedule,
+resumed mid-way, against the formulas in float64 and Megatron's own scheduler), `invalid` (42 invalid settings
+refused in one line naming the setting, groups unchanged), `update` (1-3 training steps: gradients against a float64
+replica, the grad norm, the main params against Adam in float64).
 **GPU**: `scripts/gpu_matrix.py` on NVIDIA
 H200 with NCCL: the self-check in bf16 with `--bind` and two offload cycles on 1 GPU (distributed optimizer on
 and off, lr 1e-2 and 1e-6; runs before 2026-12-01-9 had no offload cycle) and, where a 2-GPU machine was
@@ -127,6 +132,17 @@ def _checkpoints_cell(result: Mapping[str, Any] | None) -> str:
                                                   + "; ".join(bad))
 
 
+def _generated_cell(result: Mapping[str, Any] | None) -> str:
+    """``schedule 12, invalid 72, update 10`` from a CPU result's ``generated_settings`` (examples per property,
+    the failed ones marked); ``—`` when not recorded."""
+    generated = (result or {}).get("generated_settings")
+    if not isinstance(generated, Mapping) or not isinstance(generated.get("examples"), Mapping):
+        return "—"
+    failed = set(generated.get("failed") or ())
+    return _cell(", ".join(f"{name} {count}" + (" FAILED" if name in failed else "")
+                           for name, count in generated["examples"].items()))
+
+
 def _timing_row(version: str, result: Mapping[str, Any] | None) -> str | None:
     """One row of the time table from a CPU result's ``timing`` (``None`` when not recorded)."""
     timing = (result or {}).get("timing")
@@ -199,14 +215,15 @@ def render(releases: Iterable[Release], recorded: Mapping[str, Mapping[str, Any]
     """
     releases = list(releases)
     lines = [_HEADER, "| megatron-core | tags | Python | limits | install | CPU | faults caught | "
-                      "Megatron faults caught/acting | loads checkpoints of | GPU | notes |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+                      "Megatron faults caught/acting | loads checkpoints of | generated settings | GPU | notes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in releases:
         res = recorded.get(str(r.version), {})
         tags = ", ".join(t for t in r.tags if t in ("min", "latest", "oldest", "newest"))
         lines.append(f"| {r.version} | {tags} | {r.python} | {_limits_cell(r)} | {_install_cell(r)} | "
                      f"{_result_cell(res.get('cpu'))} | {_faults_cell(res.get('cpu'))} | "
                      f"{_megatron_faults_cell(res.get('cpu'))} | {_checkpoints_cell(res.get('cpu'))} | "
+                     f"{_generated_cell(res.get('cpu'))} | "
                      f"{_result_cell(res.get('gpu'))} | {_cell(r.notes)} |")
     timing_rows = [row for r in releases
                    if (row := _timing_row(str(r.version), recorded.get(str(r.version), {}).get("cpu")))]
