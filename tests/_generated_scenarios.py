@@ -363,6 +363,8 @@ INVALID_OPTIMIZER: dict[str, tuple[str, Changes]] = {
     "dynamic scaler min above initial": ("min_loss_scale", lambda b: {
         "fp16": True, "bf16": False, "initial_loss_scale": 2.0**16, "min_loss_scale": 2.0**17}),
     "dynamic scaler hysteresis zero": ("hysteresis", lambda b: {"fp16": True, "bf16": False, "hysteresis": 0}),
+    "a field no release has": ("adam_beta3", lambda b: {"extra": {"adam_beta3": 0.99}}),
+    "a misspelt field": ("use_distributed_optimiser", lambda b: {"extra": {"use_distributed_optimiser": True}}),
 }
 INVALID_SCHEDULE: dict[str, tuple[str, Changes]] = {
     "min_lr above max_lr": ("min_lr", lambda s: {"min_lr": 2 * s["max_lr"]}),

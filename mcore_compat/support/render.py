@@ -43,7 +43,7 @@ without the optimizer; "exact": every weight, main param, both Adam moments and 
 bit, and a step trains after the load (a refusal is named by its error).
 **Generated settings**: `tests/test_generated_settings.py`, the examples Hypothesis drew per property (a fixed
 seed: every release draws the same): `schedule` (every parameter's lr and weight decay over a drawn schedule,
-resumed mid-way, against the formulas in float64 and Megatron's own scheduler), `invalid` (42 invalid settings
+resumed mid-way, against the formulas in float64 and Megatron's own scheduler), `invalid` (44 invalid settings
 refused in one line naming the setting, groups unchanged), `update` (1-3 training steps: gradients against a float64
 replica, the grad norm, the main params against Adam in float64).
 **GPU**: `scripts/gpu_matrix.py` on NVIDIA

@@ -14,7 +14,7 @@ from typing import Any
 from packaging.version import Version
 
 from .._config_effects import harmless_if_missing
-from .._config_names import existence_text
+from .._config_names import close_matches, existence_text, is_known
 from .._config_translate import drop_or_raise, translate_fields
 from ..errors import InvalidArgumentError, UnsupportedVersionError
 from ._common import config_items, installed_version, is_finite_real, is_integer, mcore
@@ -74,6 +74,15 @@ class OptimConfig:
         return cls(**{k: v for k, v in items.items() if k in own}, extra=extra)
 
 
+def _installed_fields() -> frozenset[str]:
+    """The installed ``OptimizerConfig``'s fields (a release newer than the generated data may add some); none
+    where the release has no ``megatron.core.optimizer`` (0.4/0.5) or none is installed."""
+    try:
+        return frozenset(f.name for f in dataclasses.fields(_megatron_optimizer_config_class()))
+    except Exception:  # no Megatron, or no optimizer package (0.4/0.5): only the generated data counts
+        return frozenset()
+
+
 def _problems(cfg: OptimConfig) -> list[str]:
     """What is wrong with ``cfg``'s values, in words (empty when nothing is)."""
     problems: list[str] = []
@@ -106,6 +115,10 @@ def _problems(cfg: OptimConfig) -> list[str]:
     number("sgd_momentum", 0.0)
     if cfg.fp16 and cfg.bf16:
         problems.append("fp16 and bf16 are both set; choose one")
+    for name in sorted(n for n in cfg.extra if not is_known("OptimizerConfig", n) and n not in _installed_fields()):
+        hint = close_matches("OptimizerConfig", name)
+        problems.append(f"extra field {name!r} is a field of no megatron-core release's OptimizerConfig"
+                        + (f" (did you mean {' or '.join(map(repr, hint))}?)" if hint else ""))
     number("loss_scale", 0.0, optional=True, strict=True)
     if cfg.fp16 and cfg.loss_scale is None:  # the dynamic loss scaler's settings (Megatron asserts these)
         ok = number("initial_loss_scale", 0.0, strict=True) & number("min_loss_scale", 0.0, strict=True)
@@ -126,7 +139,8 @@ def check_optimizer_config(config: Any) -> OptimConfig:
     ``weight_decay``, ``clip_grad`` (0 turns clipping off), ``adam_eps`` and ``sgd_momentum`` finite and ``>= 0``;
     Adam's betas in ``[0, 1)``; not both ``fp16`` and ``bf16``; a static ``loss_scale > 0``; for fp16's dynamic
     scaler ``0 < min_loss_scale <= initial_loss_scale``, ``loss_scale_window > 0`` and an integer
-    ``hysteresis > 0``. A string such as ``"1e-5"`` (a config file's unparsed value) is refused, not converted.
+    ``hysteresis > 0``; an ``extra`` field that no release's ``OptimizerConfig`` has (a typo: the message names
+    the nearest fields). A string such as ``"1e-5"`` (a config file's unparsed value) is refused, not converted.
 
     Args:
         config: :class:`OptimConfig`, a mapping of its fields, or Megatron's ``OptimizerConfig``.
