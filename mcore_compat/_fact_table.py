@@ -445,7 +445,8 @@ _VALUED_OPTIMIZER: tuple[Fact[Any], ...] = (
     F("scheduler_ignores_lr_mult", ">=0.16",
       "OptimizerParamScheduler.step sets a group's lr from its max_lr/min_lr alone, without the group's lr_mult "
       "(optimizer_param_scheduler.py, 0.16: per-group lr lives in max_lr/min_lr, config_overrides); before 0.16 "
-      "(and in mcore_compat's own scheduler) lr = schedule(max_lr, min_lr) * lr_mult",
+      "lr = schedule(max_lr, min_lr) * lr_mult, init_lr included (mcore_compat's own scheduler too, but for a warmup "
+      "from init_lr, which rises to max_lr * lr_mult as on 0.16+)",
       all_of(defines(_OPS, "OptimizerParamScheduler.step"),
              negate(uses_string(_OPS, "OptimizerParamScheduler.step", "lr_mult")))),
 )

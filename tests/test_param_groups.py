@@ -197,6 +197,25 @@ def test_our_scheduler_applies_lr_mult_and_wd_mult_and_restores_its_state() -> N
 
 
 @pytest.mark.unit
+def test_our_scheduler_warms_every_group_up_from_init_lr_to_its_scaled_peak() -> None:
+    """0.16's meaning (the scale lives in the group's peak): a scaled group starts at init_lr, not at
+    init_lr * lr_mult as 0.9-0.15's scheduler does; after the warmup the whole schedule is scaled."""
+    from mcore_compat.training.scheduler import ParamScheduler
+
+    opt = S._Groups()
+    opt.param_groups[0]["lr_mult"] = 2.0
+    peak = opt.param_groups[0]["max_lr"] * 2.0
+    init = S.LR / 10
+    sched = ParamScheduler(opt, **{**S.SCHEDULE, "init_lr": init, "lr_decay_style": "linear"})
+    assert opt.param_groups[0]["lr"] == pytest.approx(init)
+    sched.step(1)
+    assert opt.param_groups[0]["lr"] == pytest.approx(init + (peak - init) / 2)
+    sched.step(1)
+    assert opt.param_groups[0]["lr"] == pytest.approx(peak)
+    assert opt.param_groups[1]["lr"] == pytest.approx(S.DECOUPLED_LR)  # lr_mult 1: Megatron's formula unchanged
+
+
+@pytest.mark.unit
 def test_optimizer_settings_are_refused_in_one_line_naming_each_bad_value() -> None:
     from mcore_compat import training
     from mcore_compat.errors import InvalidArgumentError

@@ -8,7 +8,9 @@ signature, schedule formulas and ``state_dict`` keys) where it does not.
 Per group the scheduler sets ``lr = schedule(group["max_lr"], group["min_lr"])`` times ``group["lr_mult"]`` where
 the release multiplies (fact ``scheduler_ignores_lr_mult``: from 0.16 Megatron's scheduler does not, and
 ``get_megatron_optimizer`` then puts a scaled learning rate into ``max_lr``/``min_lr`` instead), and
-``weight_decay = wd_schedule() * group["wd_mult"]``. Together with ``get_megatron_optimizer`` (which sets the
+``weight_decay = wd_schedule() * group["wd_mult"]``. A warmup from ``init_lr > 0`` rises from ``init_lr`` to the
+group's scaled peak on every release (0.16's meaning; before 0.16 Megatron's scheduler scales ``init_lr`` too, so
+:class:`ParamScheduler` serves such a schedule there). Together with ``get_megatron_optimizer`` (which sets the
 same effective values at build time) every parameter gets the same (lr, weight decay) on every release.
 """
 
@@ -19,6 +21,7 @@ from typing import Any
 
 from ..capabilities import has
 from ..errors import InvalidArgumentError
+from ..rank0 import warn_once_rank_0
 from ._common import installed_version, is_finite_real
 
 __all__ = ["ParamScheduler", "optimizer_param_scheduler"]
@@ -182,12 +185,23 @@ class ParamScheduler:
                          "minus_sqrt": 1.0 - math.sqrt(r)}[str(self.lr_wsd_decay_style)]
         return min_lr + coeff * (max_lr - min_lr)
 
+    def group_lr(self, param_group: dict[str, Any]) -> float:
+        """The learning rate :meth:`step` gives ``param_group``: :meth:`get_lr` times its ``lr_mult``, except that
+        a warmup starts at ``init_lr`` in every group and rises to the group's scaled peak (``max_lr * lr_mult``),
+        as Megatron's scheduler does from 0.16 (where the scale lives in the group's bounds); 0.9-0.15's would
+        start a scaled group at ``init_lr * lr_mult``."""
+        mult = float(param_group.get("lr_mult", 1.0))
+        if mult != 1.0 and self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
+            peak = param_group.get("max_lr", self.max_lr) * mult
+            return self.init_lr + (peak - self.init_lr) * float(self.num_steps) / float(self.lr_warmup_steps)
+        return self.get_lr(param_group) * mult
+
     def step(self, increment: int) -> None:
-        """Advance ``increment`` steps and set every group's ``lr`` and ``weight_decay``."""
+        """Advance ``increment`` steps and set every group's ``lr`` (:meth:`group_lr`) and ``weight_decay``."""
         self.num_steps += increment
         wd = self.get_wd()
         for group in self.optimizer.param_groups:
-            set_group_lr(group, self.get_lr(group) * group.get("lr_mult", 1.0))
+            set_group_lr(group, self.group_lr(group))
             group["weight_decay"] = wd * group.get("wd_mult", 1.0)
 
     def state_dict(self) -> dict[str, Any]:
@@ -248,10 +262,14 @@ def optimizer_param_scheduler(optimizer: Any, init_lr: float, max_lr: float, min
         use_checkpoint_opt_param_scheduler, override_opt_param_scheduler: which values win in
             ``load_state_dict``.
 
+    A warmup from ``init_lr > 0`` has one meaning on every release, 0.16+'s: every group starts at ``init_lr`` and
+    rises to its own (scaled) peak. Before 0.16 Megatron's scheduler starts a ``scale_lr_cond`` group at
+    ``init_lr * lr_mult``; there :class:`ParamScheduler` serves such a schedule, with a one-time warning.
+
     Returns:
         Megatron-Core's ``OptimizerParamScheduler`` where the release has one (0.9+) that knows the styles
-        asked for, else a :class:`ParamScheduler` (also for WSD's ``minus_sqrt`` on 0.9-0.12); both already
-        applied step 0 to the groups.
+        asked for, else a :class:`ParamScheduler` (also for WSD's ``minus_sqrt`` on 0.9-0.12, and for a warmup
+        from ``init_lr > 0`` with scaled groups on 0.9-0.15); both already applied step 0 to the groups.
 
     Raises:
         InvalidArgumentError: settings Megatron's scheduler asserts against or cannot compute (bounds out of
@@ -269,8 +287,25 @@ def optimizer_param_scheduler(optimizer: Any, init_lr: float, max_lr: float, min
     # 0.9-0.12's scheduler lacks the WSD style 'minus_sqrt' (fact scheduler_wsd_minus_sqrt): ours serves it there.
     megatron_lacks_style = (lr_decay_style == "WSD" and lr_wsd_decay_style == "minus_sqrt"
                             and not has("scheduler_wsd_minus_sqrt", version))
-    if has("megatron_scheduler", version) and not megatron_lacks_style:
+    scaled_warmup = _scaled_warmup(optimizer, init_lr, lr_warmup_steps, version)
+    if has("megatron_scheduler", version) and not megatron_lacks_style and not scaled_warmup:
         from .. import symbols
 
         return symbols.resolve("OptimizerParamScheduler")(*args)
+    if has("megatron_scheduler", version) and scaled_warmup:
+        warn_once_rank_0(
+            f"optimizer_param_scheduler: init_lr={init_lr} with scaled groups (lr_mult "
+            f"{', '.join(scaled_warmup)}): every group warms up from init_lr to its scaled peak, as megatron-core "
+            f"0.16+ does; megatron-core {version}'s own scheduler would start a scaled group at init_lr * lr_mult, "
+            f"so mcore_compat's scheduler (same state_dict) serves this one")
     return ParamScheduler(*args)
+
+
+def _scaled_warmup(optimizer: Any, init_lr: float, lr_warmup_steps: float, version: Any) -> list[str]:
+    """The ``lr_mult`` values (other than 1) of the groups whose warmup from ``init_lr > 0`` would differ from
+    0.16+'s meaning on this release (before 0.16 the release's scheduler multiplies the whole schedule, ``init_lr``
+    included, by ``lr_mult``: fact ``scheduler_ignores_lr_mult``); empty where it would not."""
+    if has("scheduler_ignores_lr_mult", version) or not init_lr > 0 or not lr_warmup_steps > 0:
+        return []
+    return sorted({f"{float(g.get('lr_mult', 1.0)):g}" for g in optimizer.param_groups
+                   if float(g.get("lr_mult", 1.0)) != 1.0})
