@@ -42,7 +42,8 @@ checkpoints (`tests/data/checkpoints/<A>/`) that `mcore_compat.save_checkpoint` 
 without the optimizer; "exact": every weight, main param, both Adam moments and the step equal to A's values bit for
 bit, and a step trains after the load (a refusal is named by its error).
 **Generated settings**: `tests/test_generated_settings.py`, the examples Hypothesis drew per property (a fixed
-seed: every release draws the same): `schedule` (every parameter's lr and weight decay over a drawn schedule,
+seed: every release draws the same): `committed` (5 committed cases against the formulas, raw Megatron and
+0.16.1's record), `schedule` (every parameter's lr and weight decay over a drawn schedule,
 resumed mid-way, against the formulas in float64 and Megatron's own scheduler), `invalid` (44 invalid settings
 refused in one line naming the setting, groups unchanged), `update` (1-3 training steps: gradients against a float64
 replica, the grad norm, the main params against Adam in float64).
