@@ -6,6 +6,11 @@ verified training step), with the reference copy (``reference=True``) and withou
 
 * time of one ``check_training_step`` / median time of one plain step (``x`` training steps), with and without
   the reference;
+* with ``--finite-differences on`` (the default) also ``check_training_step(..., finite_differences=True)``: its
+  time above the default check in plain steps, its float64 copy (8 bytes per param element) and on CUDA its peak
+  above the default check's, as multiples of the parameter bytes (the cost goal: <= 1 plain step and <= 2x the
+  param bytes on top of the default check), and the status of its checks (N/A with the reason where it cannot
+  run);
 * bytes: the reference copy (``reference_bytes``), the pre-step snapshot (``snapshot_bytes``: at its largest;
   with ``--stream on``, the default, the copied fp32 gradients plus the largest part of the state checked inside
   the optimizer step), and on CUDA the peak allocated memory during the check above the peak of a plain step,
@@ -41,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream", choices=("on", "off"), default="on",
                    help="check the update inside the optimizer step, part by part (on, the default), or from a "
                         "snapshot of the whole pre-step state (off: MCORE_COMPAT_STREAM=0)")
+    p.add_argument("--finite-differences", choices=("on", "off"), default="on",
+                   help="also time check_training_step(finite_differences=True) (on, the default)")
     args = p.parse_args(argv)
     if args.stream == "off":
         import os
@@ -63,9 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     def plain() -> None:
         G.train_step(spec, chunks, optimizer, batches)
 
-    def check(reference: bool) -> Any:
+    def check(reference: bool, fd: bool = False) -> Any:
         return check_training_step(chunks, optimizer, G.forward_step, iter(batches),
-                                   num_microbatches=spec.microbatches, reference=reference, **kw)
+                                   num_microbatches=spec.microbatches, reference=reference,
+                                   finite_differences=fd, **kw)
 
     def peak_of(fn: Any) -> tuple[float, int, Any]:
         if args.device == "cuda":
@@ -79,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         plain()
     check(True)
     plain_t, plain_peak, ref_t, ref_peak, noref_t, noref_peak = [], [], [], [], [], []
+    fd_t: list[float] = []
+    fd_peak: list[int] = []
+    with_fd = args.finite_differences == "on"
+    if with_fd:
+        check(True, fd=True)  # warm-up of the float64 path
     reports: dict[str, Any] = {}
     for _ in range(reps):
         for _ in range(3):
@@ -93,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         noref_t.append(t)
         noref_peak.append(peak)
         reports["no_reference"] = rep
+        if with_fd:
+            t, peak, rep = peak_of(lambda: check(True, fd=True))
+            fd_t.append(t)
+            fd_peak.append(peak)
+            reports["finite_differences"] = rep
     step = statistics.median(plain_t)
     params = G.param_bytes(module)
     ref_settings = reports["reference"].settings
@@ -107,6 +125,25 @@ def main(argv: list[str] | None = None) -> int:
         "reports_ok": {k: r.ok for k, r in reports.items()},
         "summaries": {k: r.summary_line() for k, r in reports.items()}, "patches": patches,
     }
+    fd_headline = []
+    if with_fd:
+        numel = sum(p.numel() for p in module.parameters())
+        fd_checks = {k.name: [k.status, k.detail[:300]] for k in reports["finite_differences"].checks
+                     if k.name in ("grads_match_directional_derivatives", "loss_matches_float64")}
+        results.update({"check_finite_differences_s": C.stats(fd_t), "float64_copy_bytes": numel * 8,
+                        "peak_check_finite_differences_bytes": max(fd_peak), "finite_difference_checks": fd_checks})
+        extra_fd_peak = (max(fd_peak) - max(ref_peak)) if args.device == "cuda" else None
+        fd_headline = [
+            C.metric("finite differences: time above check_training_step (reference)",
+                     (statistics.median(fd_t) - statistics.median(ref_t)) / step, "steps", goal="<= 1",
+                     note=f"median of {reps}; checks: " + ", ".join(f"{k} {v[0]}" for k, v in fd_checks.items())),
+            C.metric("finite differences: float64 copy", numel * 8 / params, "x param bytes",
+                     note=C.fmt_bytes(numel * 8)),
+            C.metric("finite differences: peak above check_training_step (reference)",
+                     None if extra_fd_peak is None else extra_fd_peak / params, "x param bytes",
+                     goal="<= 2" if args.device == "cuda" else None,
+                     note="" if extra_fd_peak is None else C.fmt_bytes(extra_fd_peak)),
+        ]
     extra_peak = (max(ref_peak) - max(plain_peak)) if args.device == "cuda" else None
     headline = [
         C.metric("check_training_step (reference) / plain step", statistics.median(ref_t) / step, "steps",
@@ -125,9 +162,11 @@ def main(argv: list[str] | None = None) -> int:
                  goal="<= 4" if args.device == "cuda" else None,
                  note="" if extra_peak is None else C.fmt_bytes(extra_peak)),
         C.metric("verdicts", float(all(r.ok for r in reports.values())), "all ok", goal="== 1"),
+        *fd_headline,
     ]
     C.write_result(NAME, args.device, args.out, config={"spec": spec.as_dict(), "reps": reps, "lr": LR,
                                                         "stream": args.stream,
+                                                        "finite_differences": args.finite_differences,
                                                         "host_snapshot": "auto" if verify.HOST_SNAPSHOT is None
                                                         else list(verify.HOST_SNAPSHOT)},
                    results=results, headline=headline)
