@@ -10,7 +10,9 @@ and compares what it built with three oracles.
 Properties: ``schedule`` (every parameter's lr and weight decay over a schedule, resumed in the middle, against
 both oracles), ``invalid`` (one change from :data:`INVALID_OPTIMIZER` or :data:`INVALID_SCHEDULE` to a valid draw
 is refused with an ``InvalidArgumentError`` in one line naming the setting, before any group changes) and
-``update`` (1-3 real training steps, forward, backward, ``finalize_model_grads``, ``optimizer_step``: each step's
+``update`` (1-3 real training steps with drawn DDP settings - bucket size, ``overlap_grad_reduce``,
+``grad_reduce_in_fp32``, ``average_in_collective``, ``overlap_param_gather`` -, forward, backward,
+``finalize_model_grads``, ``optimizer_step``: each step's
 gradient against a float64 replica of the model in plain torch, the reported grad norm against the gradients', the
 fp32 main params after the steps against Adam in float64 with the spec's per-parameter lr and weight decay, coupled
 or decoupled; faults it was seen to catch inside Megatron 0.16.1: the grad norm not summed over the distributed
@@ -21,7 +23,8 @@ of what users train with) against all three oracles: the spec, raw Megatron, and
 (:data:`REFERENCE`, written by ``scripts/generated_reference.py``, which ``--check`` compares; values within
 :data:`UPDATE_TOL` and :data:`ULPS`).
 
-Not yet: fp16 with its loss scaler in the update property, the DDP and config-builder settings.
+Not yet: fp16 with its loss scaler in the update property, several micro-batches and PP/VPP schedules, the
+config-builder settings.
 
 Hypothesis runs on rank 0 (a fixed seed per property, the committed example database, read-only) and sends each
 example to every rank (:func:`_run_property`); the ranks build the same things and decide on data gathered from
@@ -129,8 +132,9 @@ def _build(build: dict[str, Any], changes: dict[str, Any] | None = None) -> tupl
     from mcore_compat import training
 
     bf16, distopt = bool(build["bf16"]), bool(build["distopt"])
+    ddp = {"grad_reduce_in_fp32": bf16, **build.get("ddp", {})}  # the update property draws the DDP settings
     chunks = training.wrap_ddp([_model(bf16)], ddp_config=training.DDPConfig(use_distributed_optimizer=distopt,
-                                                                             grad_reduce_in_fp32=bf16))
+                                                                             **ddp))
     config = training.OptimConfig(
         optimizer="adam", lr=build["lr"], min_lr=build["min_lr"], decoupled_lr=build["decoupled_lr"],
         decoupled_min_lr=build["decoupled_min_lr"], weight_decay=build["weight_decay"], clip_grad=build["clip_grad"],
@@ -625,6 +629,7 @@ def observe_update(build: dict[str, Any], steps: int) -> dict[str, Any]:
     start, _ = _main_state(optimizer, chunks)
     out: dict[str, Any] = {"refused": None, "start": start, "grads": [], "norms": [], "reference": []}
     for step in range(steps):
+        training.finish_param_sync(chunks, optimizer)  # overlap_param_gather: the weights gathered before reading
         out["reference"].append(reference_grads(named, step, dist.get_world_size()))
         training.zero_grad_buffer(chunks, optimizer)
         _loss(chunks[0](_tokens(dist.get_rank(), step))).backward()
@@ -701,6 +706,13 @@ def _update_property(version: str) -> dict[str, Any]:
     def draw(data: Any) -> dict[str, Any]:
         build = dict(data.draw(builds, label="build"))
         build["decoupled_wd"] = data.draw(st.booleans(), label="decoupled weight decay")
+        build["ddp"] = {
+            "bucket_size": data.draw(st.sampled_from([None, 40, 200]), label="bucket_size"),
+            "overlap_grad_reduce": data.draw(st.booleans(), label="overlap_grad_reduce"),
+            "grad_reduce_in_fp32": data.draw(st.booleans(), label="grad_reduce_in_fp32") if build["bf16"] else False,
+            "average_in_collective": data.draw(st.booleans(), label="average_in_collective"),
+            "overlap_param_gather": data.draw(st.booleans(), label="overlap_param_gather") if build["distopt"]
+            else False}
         return {"build": build, "steps": data.draw(st.integers(1, 3), label="steps")}
 
     def body(example: dict[str, Any]) -> list[str]:

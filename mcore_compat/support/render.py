@@ -45,8 +45,8 @@ bit, and a step trains after the load (a refusal is named by its error).
 seed: every release draws the same): `committed` (5 committed cases against the formulas, raw Megatron and
 0.16.1's record), `schedule` (every parameter's lr and weight decay over a drawn schedule,
 resumed mid-way, against the formulas in float64 and Megatron's own scheduler), `invalid` (44 invalid settings
-refused in one line naming the setting, groups unchanged), `update` (1-3 training steps: gradients against a float64
-replica, the grad norm, the main params against Adam in float64).
+refused in one line naming the setting, groups unchanged), `update` (1-3 training steps with drawn DDP settings:
+gradients against a float64 replica, the grad norm, the main params against Adam in float64).
 **GPU**: `scripts/gpu_matrix.py` on NVIDIA
 H200 with NCCL: the self-check in bf16 with `--bind` and two offload cycles on 1 GPU (distributed optimizer on
 and off, lr 1e-2 and 1e-6; runs before 2026-12-01-9 had no offload cycle) and, where a 2-GPU machine was
