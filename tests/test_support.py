@@ -366,9 +366,11 @@ def test_faults_cell_shows_the_fault_detection_score() -> None:
         "20/24 (83 %); clean 6/7"
 
 
-def test_the_fault_score_the_suite_writes_is_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The session points the fault-injection suite at a file (MCORE_COMPAT_FAULT_REPORT); its score goes into
-    the CPU record (and from there into the support table's 'faults caught' column)."""
+def _session_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, session: str,
+                     reports: dict[str, Any]) -> tuple[Any, Any, dict[str, str]]:
+    """Run ``jobs.run_pytest`` for ``session`` with pytest replaced by a stand-in that writes each
+    ``{environment variable: payload}`` of ``reports`` as JSON to the file the variable names; returns the noxfile
+    module, the job's result and the environment pytest got."""
     fake, _ = _fake_nox()
     nf = _load_noxfile_with(fake, monkeypatch)
     env = nf.matrix_env.MatrixEnv(nf.matrix_env.Layout(tmp_path), nf.ENV.matrix)
@@ -378,14 +380,22 @@ def test_the_fault_score_the_suite_writes_is_recorded(tmp_path: Path, monkeypatc
                     cwd: Any = None) -> int:
         assert env is not None
         seen.update(env)
-        Path(env["MCORE_COMPAT_FAULT_REPORT"]).write_text(json.dumps(
-            {"caught": 27, "faults": 28, "clean_pass": 7, "clean": 7, "details": {}}))
+        for name, payload in reports.items():
+            Path(env[name]).write_text(json.dumps(payload))
         return 0
 
     monkeypatch.setattr(nf.Out, "run", fake_pytest)
-    result, out = nf.results.JobResult("mcore-0.16.1"), nf.Out(tmp_path / "s.log")
+    result, out = nf.results.JobResult(session), nf.Out(tmp_path / "s.log")
     nf.jobs.run_pytest(env, "3.11", None, "mcore", out, result, ())
     out.close()
+    return nf, result, seen
+
+
+def test_the_fault_score_the_suite_writes_is_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The session points the fault-injection suite at a file (MCORE_COMPAT_FAULT_REPORT); its score goes into
+    the CPU record (and from there into the support table's 'faults caught' column)."""
+    nf, result, seen = _session_writing(tmp_path, monkeypatch, "mcore-0.16.1", {"MCORE_COMPAT_FAULT_REPORT": {
+        "caught": 27, "faults": 28, "clean_pass": 7, "clean": 7, "details": {}}})
     assert seen["MCORE_COMPAT_FAULT_REPORT"] == str(tmp_path / ".cache" / "logs" / "mcore-0.16.1.faults.json")
     assert result.faults == {"caught": 27, "faults": 28, "clean_pass": 7, "clean": 7}
     assert nf.results.cpu_record("wheel", result)["fault_detection"] == result.faults
@@ -398,21 +408,9 @@ def test_the_megatron_fault_score_is_recorded_and_shown(tmp_path: Path, monkeypa
     it and the support table shows caught/acting (not acting apart); records without it show "—"."""
     from mcore_compat.support.render import _megatron_faults_cell
 
-    fake, _ = _fake_nox()
-    nf = _load_noxfile_with(fake, monkeypatch)
-    env = nf.matrix_env.MatrixEnv(nf.matrix_env.Layout(tmp_path), nf.ENV.matrix)
     score = {"caught": 7, "acting": 7, "not_acting": 12, "faults": 19, "clean_pass": 4, "clean": 4}
-
-    def fake_pytest(self: Any, argv: list[str], env: dict[str, str] | None = None, check: bool = True,
-                    cwd: Any = None) -> int:
-        assert env is not None
-        Path(env["MCORE_COMPAT_MEGATRON_FAULT_REPORT"]).write_text(json.dumps({**score, "details": {}}))
-        return 0
-
-    monkeypatch.setattr(nf.Out, "run", fake_pytest)
-    result, out = nf.results.JobResult("mcore-0.4.0"), nf.Out(tmp_path / "s.log")
-    nf.jobs.run_pytest(env, "3.11", None, "mcore", out, result, ())
-    out.close()
+    nf, result, _ = _session_writing(tmp_path, monkeypatch, "mcore-0.4.0",
+                                     {"MCORE_COMPAT_MEGATRON_FAULT_REPORT": {**score, "details": {}}})
     record = nf.results.cpu_record("wheel", result)
     assert record["megatron_fault_detection"] == score
     assert _megatron_faults_cell(record) == "7/7; 12 not acting"
@@ -511,21 +509,9 @@ def test_the_checkpoint_loads_are_recorded_and_shown(tmp_path: Path, monkeypatch
     the saving releases' span, naming those that did not load exactly; records without them show "—"."""
     from mcore_compat.support.render import _checkpoints_cell
 
-    fake, _ = _fake_nox()
-    nf = _load_noxfile_with(fake, monkeypatch)
-    env = nf.matrix_env.MatrixEnv(nf.matrix_env.Layout(tmp_path), nf.ENV.matrix)
     loads = {v: {"full": "exact", "weights": "exact"} for v in ("0.12.3", "0.4.0", "0.19.2")}
-
-    def fake_pytest(self: Any, argv: list[str], env: dict[str, str] | None = None, check: bool = True,
-                    cwd: Any = None) -> int:
-        assert env is not None
-        Path(env["MCORE_COMPAT_CHECKPOINT_REPORT"]).write_text(json.dumps({"release": "0.10.0", "loads": loads}))
-        return 0
-
-    monkeypatch.setattr(nf.Out, "run", fake_pytest)
-    result, out = nf.results.JobResult("mcore-0.10.0"), nf.Out(tmp_path / "s.log")
-    nf.jobs.run_pytest(env, "3.11", None, "mcore", out, result, ())
-    out.close()
+    nf, result, _ = _session_writing(tmp_path, monkeypatch, "mcore-0.10.0",
+                                     {"MCORE_COMPAT_CHECKPOINT_REPORT": {"release": "0.10.0", "loads": loads}})
     record = nf.results.cpu_record("wheel", result)
     assert record["checkpoint_cross"] == loads
     assert _checkpoints_cell(record) == "0.4.0-0.19.2: exact"
@@ -541,21 +527,9 @@ def test_the_generated_settings_counts_are_recorded_and_shown(tmp_path: Path,
     record keeps them and the support table's 'generated settings' shows them, marking a failed property."""
     from mcore_compat.support.render import _generated_cell
 
-    fake, _ = _fake_nox()
-    nf = _load_noxfile_with(fake, monkeypatch)
-    env = nf.matrix_env.MatrixEnv(nf.matrix_env.Layout(tmp_path), nf.ENV.matrix)
     score = {"examples": {"schedule": 12, "invalid": 72, "update": 10}, "failed": ["update"]}
-
-    def fake_pytest(self: Any, argv: list[str], env: dict[str, str] | None = None, check: bool = True,
-                    cwd: Any = None) -> int:
-        assert env is not None
-        Path(env["MCORE_COMPAT_GENERATED_REPORT"]).write_text(json.dumps(score))
-        return 0
-
-    monkeypatch.setattr(nf.Out, "run", fake_pytest)
-    result, out = nf.results.JobResult("mcore-0.10.0"), nf.Out(tmp_path / "s.log")
-    nf.jobs.run_pytest(env, "3.11", None, "mcore", out, result, ())
-    out.close()
+    nf, result, _ = _session_writing(tmp_path, monkeypatch, "mcore-0.10.0",
+                                     {"MCORE_COMPAT_GENERATED_REPORT": score})
     record = nf.results.cpu_record("wheel", result)
     assert record["generated_settings"] == score
     assert _generated_cell(record) == "schedule 12, invalid 72, update 10 FAILED"
