@@ -115,7 +115,9 @@ def _problems(cfg: OptimConfig) -> list[str]:
     number("sgd_momentum", 0.0)
     if cfg.fp16 and cfg.bf16:
         problems.append("fp16 and bf16 are both set; choose one")
-    for name in sorted(n for n in cfg.extra if not is_known("OptimizerConfig", n) and n not in _installed_fields()):
+    unknown = sorted(n for n in cfg.extra if not is_known("OptimizerConfig", n))
+    installed = _installed_fields() if unknown else frozenset()  # read the installed class once, and only if needed
+    for name in (n for n in unknown if n not in installed):
         hint = close_matches("OptimizerConfig", name)
         problems.append(f"extra field {name!r} is a field of no megatron-core release's OptimizerConfig"
                         + (f" (did you mean {' or '.join(map(repr, hint))}?)" if hint else ""))

@@ -159,8 +159,8 @@ class ParamScheduler:
         """The learning rate of ``param_group`` at the current step (before its ``lr_mult``)."""
         max_lr = param_group.get("max_lr", self.max_lr)
         min_lr = param_group.get("min_lr", self.min_lr)
-        if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
-            return self.init_lr + (max_lr - self.init_lr) * float(self.num_steps) / float(self.lr_warmup_steps)
+        if self._warming_up():
+            return self._warmup_lr(max_lr)
         if self.lr_decay_style == "constant":
             return max_lr
         if self.num_steps > self.lr_decay_steps:
@@ -191,10 +191,16 @@ class ParamScheduler:
         as Megatron's scheduler does from 0.16 (where the scale lives in the group's bounds); 0.9-0.15's would
         start a scaled group at ``init_lr * lr_mult``."""
         mult = float(param_group.get("lr_mult", 1.0))
-        if mult != 1.0 and self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
-            peak = param_group.get("max_lr", self.max_lr) * mult
-            return self.init_lr + (peak - self.init_lr) * float(self.num_steps) / float(self.lr_warmup_steps)
+        if mult != 1.0 and self._warming_up():
+            return self._warmup_lr(param_group.get("max_lr", self.max_lr) * mult)
         return self.get_lr(param_group) * mult
+
+    def _warming_up(self) -> bool:
+        return self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps
+
+    def _warmup_lr(self, peak: float) -> float:
+        """The warmup's learning rate, from ``init_lr`` to ``peak``."""
+        return self.init_lr + (peak - self.init_lr) * float(self.num_steps) / float(self.lr_warmup_steps)
 
     def step(self, increment: int) -> None:
         """Advance ``increment`` steps and set every group's ``lr`` (:meth:`group_lr`) and ``weight_decay``."""
