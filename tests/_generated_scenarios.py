@@ -35,6 +35,7 @@ returns ``{"status", "examples", "failure"}``; a failure carries Hypothesis's fa
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import traceback
@@ -51,7 +52,8 @@ HERE = Path(__file__).resolve().parent
 DATABASE = HERE / "data" / "hypothesis"
 #: Examples per property and release session (the committed cases and database entries come on top).
 EXAMPLES = {"schedule": 12, "invalid": 30, "update": 10}
-#: Set (to anything) to let rank 0 save new failing examples into the committed database while developing.
+#: Set (to anything) to let Hypothesis (on rank 0) save new failing examples into the committed database while
+#: developing.
 SAVE_ENV = "MCORE_COMPAT_HYPOTHESIS_SAVE"
 REL = 1e-9
 
@@ -247,12 +249,12 @@ def _strategies() -> Any:
 
 
 def _settings(name: str, version: str) -> Any:
-    import torch.distributed as dist
+    """Hypothesis's settings of property ``name`` (only rank 0 runs Hypothesis: :func:`_run_property`)."""
     from hypothesis import HealthCheck, settings
     from hypothesis.database import DirectoryBasedExampleDatabase, ReadOnlyDatabase
 
     db: Any = DirectoryBasedExampleDatabase(DATABASE)
-    if not (os.environ.get(SAVE_ENV) and dist.get_rank() == 0):
+    if not os.environ.get(SAVE_ENV):
         db = ReadOnlyDatabase(db)
     return settings(max_examples=EXAMPLES[name], deadline=None, database=db, print_blob=True,
                     suppress_health_check=list(HealthCheck))
@@ -726,7 +728,7 @@ REFERENCE = HERE / "data" / "generated" / "reference.json"
 #: The release whose observations of :data:`COMMITTED` are committed in :data:`REFERENCE`
 #: (``python scripts/generated_reference.py`` writes them, ``--check`` compares).
 REFERENCE_RELEASE = "0.16.1"
-_SETTINGS = {"weight_decay": 0.1, "no_wd": "default", "scale": False, "lr_mult": 2.0, "distopt": False,
+_COMMITTED_BUILD = {"weight_decay": 0.1, "no_wd": "default", "scale": False, "lr_mult": 2.0, "distopt": False,
              "bf16": False, "clip_grad": 1.0, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "decoupled_wd": True,
              "decoupled_lr": None, "decoupled_min_lr": None}
 _CONSTANT_WD = {"start_wd": 0.1, "end_wd": 0.1, "wd_incr_steps": 10, "wd_incr_style": "constant",
@@ -735,7 +737,7 @@ _CONSTANT_WD = {"start_wd": 0.1, "end_wd": 0.1, "wd_incr_steps": 10, "wd_incr_st
 
 def _case(build: dict[str, Any], schedule: dict[str, Any], steps: int) -> dict[str, Any]:
     sched = {**_CONSTANT_WD, **schedule}
-    return {"build": {**_SETTINGS, **build}, "schedule": {**sched, "steps": sched["lr_decay_steps"] + 2},
+    return {"build": {**_COMMITTED_BUILD, **build}, "schedule": {**sched, "steps": sched["lr_decay_steps"] + 2},
             "steps": steps}
 
 
@@ -777,17 +779,7 @@ COMMITTED: dict[str, dict[str, Any]] = {
 def observe_committed() -> dict[str, Any]:
     """Every committed case observed on this rank's release: ``{"version", "cases": {name: {"schedule",
     "update"}}}`` (the raw observations, compared by :func:`committed_mismatches`)."""
-    from mcore_compat import symbols
-    from mcore_compat.detect import detect
-
-    apply_patches()
-    version = str(detect().version)
-    symbols.resolve("parallel_state").initialize_model_parallel()
-    try:
-        cases = observe_committed_here()
-    finally:
-        symbols.resolve("parallel_state").destroy_model_parallel()
-    return {"version": version, "cases": cases}
+    return _on_release(lambda version: observe_committed_here())
 
 
 def reference_record(observed: dict[str, Any]) -> dict[str, Any]:
@@ -849,8 +841,6 @@ def committed_mismatches(name: str, observed: dict[str, Any], reference: dict[st
 
 
 def _committed_property(version: str) -> dict[str, Any]:
-    import json
-
     try:
         reference = json.loads(REFERENCE.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -871,8 +861,9 @@ def observe_committed_here() -> dict[str, Any]:
                    "update": observe_update(c["build"], c["steps"])} for name, c in COMMITTED.items()}
 
 
-def run_all() -> dict[str, Any]:
-    """Every property on this rank: ``{"version", "cases": {name: result}}``."""
+def _on_release(cases: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+    """``{"version", "cases": cases(version)}`` on this rank, with the CPU patches applied and model parallelism
+    initialized (TP = PP = 1) around it."""
     from mcore_compat import symbols
     from mcore_compat.detect import detect
 
@@ -880,8 +871,13 @@ def run_all() -> dict[str, Any]:
     version = str(detect().version)
     symbols.resolve("parallel_state").initialize_model_parallel()
     try:
-        cases = {"committed": _committed_property(version), "schedule": _schedule_property(version),
-                 "invalid": _invalid_property(version), "update": _update_property(version)}
+        return {"version": version, "cases": cases(version)}
     finally:
         symbols.resolve("parallel_state").destroy_model_parallel()
-    return {"version": version, "cases": cases}
+
+
+def run_all() -> dict[str, Any]:
+    """Every property on this rank: ``{"version", "cases": {name: result}}``."""
+    return _on_release(lambda version: {
+        "committed": _committed_property(version), "schedule": _schedule_property(version),
+        "invalid": _invalid_property(version), "update": _update_property(version)})
