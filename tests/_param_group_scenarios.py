@@ -108,7 +108,9 @@ def _groups_case(name: str) -> dict[str, Any]:
         scheduler.step(1)
         scheduled.append(_table(optimizer, chunks))
     out = {"shapes": shapes, "built": built, "scheduled": scheduled,
-           "scheduler": f"{type(scheduler).__module__}.{type(scheduler).__name__}",
+           # the class and the first of its bases that is not mcore_compat's (Megatron's, under our load_state_dict)
+           "scheduler": [f"{c.__module__}.{c.__name__}" for c in type(scheduler).__mro__
+                         if c is type(scheduler) or not c.__module__.startswith("mcore_compat")][:2],
            "embedding_or_output": sorted(n for n in shapes if "word_embeddings" in n or "output_layer" in n)}
     _release(chunks)
     return out

@@ -122,11 +122,13 @@ def test_the_cases_cover_every_rule(results: list[dict[str, Any]]) -> None:
 
 @pytest.mark.mcore
 def test_the_scheduler_is_megatrons_where_the_release_has_one(results: list[dict[str, Any]]) -> None:
-    name = results[0]["groups"]["defaults"]["scheduler"]
+    """Megatron's class (a subclass of it that only replaces ``load_state_dict``) where the release has one."""
+    names = results[0]["groups"]["defaults"]["scheduler"]
     if has("megatron_scheduler"):
-        assert name == "megatron.core.optimizer_param_scheduler.OptimizerParamScheduler"
+        assert names == ["mcore_compat.training.scheduler.OptimizerParamScheduler",
+                         "megatron.core.optimizer_param_scheduler.OptimizerParamScheduler"]
     else:
-        assert name == "mcore_compat.training.scheduler.ParamScheduler"
+        assert names[0] == "mcore_compat.training.scheduler.ParamScheduler"
 
 
 def _decay_failures(result: dict[str, Any]) -> list[str]:

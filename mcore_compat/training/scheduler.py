@@ -17,7 +17,7 @@ same effective values at build time) every parameter gets the same (lr, weight d
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..capabilities import has
 from ..errors import InvalidArgumentError
@@ -40,7 +40,8 @@ def set_group_lr(group: dict[str, Any], lr: float) -> None:
         group["lr"] = lr
 
 
-def _fill_group_bounds(optimizer: Any, max_lr: float, min_lr: float, lr_mult_in_bounds: bool) -> int:
+def _fill_group_bounds(optimizer: Any, max_lr: float, min_lr: float,
+                       lr_mult_in_bounds: bool) -> list[tuple[int, str, float]]:
     """Give every param group without a ``max_lr`` / ``min_lr`` of its own (``None`` or missing) the scheduler's.
 
     A group's own bound wins (Megatron's rule: ``OptimConfig.lr`` / ``min_lr``, a decoupled learning rate, a
@@ -52,15 +53,16 @@ def _fill_group_bounds(optimizer: Any, max_lr: float, min_lr: float, lr_mult_in_
     the group's ``lr_mult`` like its own bounds are.
 
     Returns:
-        How many bounds were filled.
+        What was filled: ``(group index, "max_lr" or "min_lr", scale)``; a filled bound follows the scheduler's
+        value when ``load_state_dict`` restores another one.
     """
-    filled = 0
-    for group in optimizer.param_groups:
+    filled = []
+    for index, group in enumerate(optimizer.param_groups):
         scale = float(group.get("lr_mult", 1.0)) if lr_mult_in_bounds else 1.0
         for key, value in (("max_lr", max_lr), ("min_lr", min_lr)):
             if group.get(key) is None:
                 group[key] = float(value) * scale
-                filled += 1
+                filled.append((index, key, scale))
     return filled
 
 
@@ -114,7 +116,104 @@ def _check(init_lr: Any, max_lr: Any, min_lr: Any, lr_warmup_steps: Any, lr_deca
         raise InvalidArgumentError("optimizer_param_scheduler: " + "; ".join(problems))
 
 
-class ParamScheduler:
+#: The settings a scheduler's ``state_dict`` holds (Megatron's keys), with the older names Megatron-LM wrote.
+_LR_STATE = {"max_lr": ("start_lr",), "min_lr": (), "lr_warmup_steps": ("warmup_iter", "warmup_steps"),
+             "lr_decay_steps": ("end_iter", "decay_steps"), "lr_decay_style": ("decay_style",)}
+_WD_STATE = ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style")
+
+
+class _ResumeRules:
+    """``load_state_dict`` with one meaning on every release, for :class:`ParamScheduler` and for Megatron's
+    ``OptimizerParamScheduler`` (0.9+; :func:`optimizer_param_scheduler` returns a subclass of it that only adds
+    this method, made by :func:`_with_resume_rules`).
+
+    Megatron's rules (``OptimizerParamScheduler.load_state_dict`` of ``megatron/core/optimizer_param_scheduler.py``,
+    the same from 0.9 to 0.19): with ``override_opt_param_scheduler`` the constructor's settings win, with
+    ``use_checkpoint_opt_param_scheduler`` (the default) the checkpoint's, with neither they must be equal; then
+    the step count is restored. Where Megatron's differs, this one:
+
+    * refuses unequal settings with an ``InvalidArgumentError`` line naming each (Megatron: an
+      ``AssertionError`` on the first);
+    * refuses a restored combination the scheduler cannot run (the checkpoint's ``lr_decay_steps`` with this
+      constructor's ``wsd_decay_steps``, ...) before anything changes;
+    * sets the groups from the restored settings at once (Megatron sets them before it restores the weight-decay
+      settings, so the first step after a resume used the constructor's weight decay: said in a one-time warning
+      where that differs);
+    * gives a group that took its ``max_lr``/``min_lr`` from the scheduler (see :func:`_fill_group_bounds`) the
+      restored value.
+    """
+
+    optimizer: Any
+    num_steps: float
+    use_checkpoint_opt_param_scheduler: bool | None
+    override_opt_param_scheduler: bool | None
+    _filled_bounds: list[tuple[int, str, float]] = []
+
+    if TYPE_CHECKING:
+        def step(self, increment: int) -> None: ...  # both schedulers define it (Megatron's after this class)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a ``state_dict`` of this scheduler or of Megatron's (also with Megatron-LM's older key names)
+        and set every group from it."""
+        sd = dict(state_dict)
+        for new, olds in _LR_STATE.items():
+            for old in olds:
+                if new not in sd and old in sd:
+                    sd[new] = sd[old]
+        if "num_steps" not in sd and "num_iters" in sd:
+            sd["num_steps"] = sd["num_iters"]
+        names = [*_LR_STATE, *(_WD_STATE if "start_wd" in sd else ())]
+        missing = [n for n in [*names, "num_steps"] if n not in sd]
+        if missing:
+            raise InvalidArgumentError(f"optimizer_param_scheduler.load_state_dict: the state dict lacks "
+                                       f"{', '.join(missing)}; pass a scheduler's state_dict()")
+        differ = [n for n in names if getattr(self, n) != sd[n]]
+        if self.override_opt_param_scheduler:
+            restored = {n: getattr(self, n) for n in names}
+        elif differ and not self.use_checkpoint_opt_param_scheduler:
+            raise InvalidArgumentError(
+                "optimizer_param_scheduler.load_state_dict: " + ", ".join(
+                    f"{n} is {getattr(self, n)!r} here and {sd[n]!r} in the checkpoint" for n in differ)
+                + "; pass use_checkpoint_opt_param_scheduler=True (the checkpoint's) or "
+                  "override_opt_param_scheduler=True (these)")
+        else:
+            restored = {n: sd[n] for n in names}
+        merged = {n: getattr(self, n, None) for n in (*_LR_STATE, *_WD_STATE, "init_lr", "wsd_decay_steps",
+                                                      "lr_wsd_decay_style")}
+        merged.update(restored)
+        try:
+            _check(**merged, use_checkpoint=self.use_checkpoint_opt_param_scheduler,
+                   override=self.override_opt_param_scheduler)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{exc} (the checkpoint's settings with this scheduler's)") from None
+        wd_changed = [n for n in _WD_STATE if n in restored and restored[n] != getattr(self, n)]
+        if wd_changed and type(self).__name__ != "ParamScheduler":
+            warn_once_rank_0(
+                f"optimizer_param_scheduler.load_state_dict: the checkpoint's {', '.join(wd_changed)} set the "
+                f"groups' weight decay at the resumed step already; megatron-core's own scheduler applies them "
+                f"from the next step")
+        for name, value in restored.items():
+            setattr(self, name, value)
+        groups = self.optimizer.param_groups
+        for index, key, scale in self._filled_bounds:
+            groups[index][key] = float(getattr(self, key)) * scale
+        self.step(increment=sd["num_steps"])
+
+
+def _with_resume_rules(cls: type) -> type:
+    """Megatron's scheduler class ``cls`` with :class:`_ResumeRules`' ``load_state_dict`` (cached per class)."""
+    made = _RESUMABLE.get(cls)
+    if made is None:
+        made = _RESUMABLE[cls] = type(cls.__name__, (_ResumeRules, cls), {
+            "__module__": __name__, "__doc__": f"{cls.__module__}.{cls.__qualname__} with mcore_compat's "
+                                               f"load_state_dict (see _ResumeRules)."})
+    return made
+
+
+_RESUMABLE: dict[type, type] = {}
+
+
+class ParamScheduler(_ResumeRules):
     """Learning-rate warmup/decay and weight-decay increment for releases without Megatron's scheduler.
 
     The constructor, :meth:`step`, :meth:`state_dict` and :meth:`load_state_dict` have the signature and meaning
@@ -144,7 +243,8 @@ class ParamScheduler:
         _check(init_lr, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style, start_wd, end_wd,
                wd_incr_steps, wd_incr_style, use_checkpoint_opt_param_scheduler, override_opt_param_scheduler,
                wsd_decay_steps, lr_wsd_decay_style)
-        _fill_group_bounds(optimizer, max_lr, min_lr, lr_mult_in_bounds=False)  # it multiplies by lr_mult itself
+        # it multiplies by lr_mult itself
+        self._filled_bounds = _fill_group_bounds(optimizer, max_lr, min_lr, lr_mult_in_bounds=False)
         self.step(0)
 
     def get_wd(self) -> float:
@@ -217,31 +317,6 @@ class ParamScheduler:
                 "min_lr": self.min_lr, "start_wd": self.start_wd, "end_wd": self.end_wd,
                 "wd_incr_style": self.wd_incr_style, "wd_incr_steps": self.wd_incr_steps}
 
-    def _checked(self, mine: Any, stored: Any, name: str) -> Any:
-        if self.override_opt_param_scheduler:
-            return mine
-        if not self.use_checkpoint_opt_param_scheduler and mine != stored:
-            raise InvalidArgumentError(f"optimizer_param_scheduler: {name} is {mine!r} here and {stored!r} in the "
-                                       f"checkpoint; pass use_checkpoint_opt_param_scheduler=True or "
-                                       f"override_opt_param_scheduler=True")
-        return stored
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` (also Megatron's, including its older key names) and re-apply it."""
-        sd = dict(state_dict)
-        for new, old in (("max_lr", "start_lr"), ("lr_warmup_steps", "warmup_steps"),
-                         ("lr_warmup_steps", "warmup_iter"), ("lr_decay_steps", "decay_steps"),
-                         ("lr_decay_steps", "end_iter"), ("lr_decay_style", "decay_style"),
-                         ("num_steps", "num_iters")):
-            if old in sd:
-                sd[new] = sd.pop(old)
-        for name in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style"):
-            setattr(self, name, self._checked(getattr(self, name), sd[name], name))
-        if "start_wd" in sd:
-            for name in ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style"):
-                setattr(self, name, self._checked(getattr(self, name), sd[name], name))
-        self.step(increment=sd["num_steps"])
-
 
 def optimizer_param_scheduler(optimizer: Any, init_lr: float, max_lr: float, min_lr: float, lr_warmup_steps: int,
                               lr_decay_steps: int, lr_decay_style: str, start_wd: float, end_wd: float,
@@ -266,7 +341,10 @@ def optimizer_param_scheduler(optimizer: Any, init_lr: float, max_lr: float, min
         start_wd, end_wd, wd_incr_steps, wd_incr_style: weight decay from ``start_wd`` to ``end_wd``
             (``constant``, ``linear`` or ``cosine``); each group's ``wd_mult`` applies.
         use_checkpoint_opt_param_scheduler, override_opt_param_scheduler: which values win in
-            ``load_state_dict``.
+            ``load_state_dict``: the checkpoint's (the default), this call's, or - neither - they must be equal
+            (else an ``InvalidArgumentError`` line names each). Megatron's rules, with the differences of
+            :class:`_ResumeRules`: the groups get the restored settings at the resumed step already, and a
+            group that took its bound from the scheduler takes the restored one.
 
     A warmup from ``init_lr > 0`` has one meaning on every release, 0.16+'s: every group starts at ``init_lr`` and
     rises to its own (scaled) peak. Before 0.16 Megatron's scheduler starts a ``scale_lr_cond`` group at
@@ -274,8 +352,9 @@ def optimizer_param_scheduler(optimizer: Any, init_lr: float, max_lr: float, min
 
     Returns:
         Megatron-Core's ``OptimizerParamScheduler`` where the release has one (0.9+) that knows the styles
-        asked for, else a :class:`ParamScheduler` (also for WSD's ``minus_sqrt`` on 0.9-0.12, and for a warmup
-        from ``init_lr > 0`` with scaled groups on 0.9-0.15); both already applied step 0 to the groups.
+        asked for (an instance of a subclass that only replaces ``load_state_dict``), else a
+        :class:`ParamScheduler` (also for WSD's ``minus_sqrt`` on 0.9-0.12, and for ``init_lr > 0`` with scaled
+        groups on 0.9-0.15); both already applied step 0 to the groups.
 
     Raises:
         InvalidArgumentError: settings Megatron's scheduler asserts against or cannot compute (bounds out of
@@ -289,29 +368,34 @@ def optimizer_param_scheduler(optimizer: Any, init_lr: float, max_lr: float, min
            wd_incr_style, use_checkpoint_opt_param_scheduler, override_opt_param_scheduler, wsd_decay_steps,
            lr_wsd_decay_style)
     version = installed_version()
-    _fill_group_bounds(optimizer, max_lr, min_lr, has("scheduler_ignores_lr_mult", version))
+    filled = _fill_group_bounds(optimizer, max_lr, min_lr, has("scheduler_ignores_lr_mult", version))
     # 0.9-0.12's scheduler lacks the WSD style 'minus_sqrt' (fact scheduler_wsd_minus_sqrt): ours serves it there.
     megatron_lacks_style = (lr_decay_style == "WSD" and lr_wsd_decay_style == "minus_sqrt"
                             and not has("scheduler_wsd_minus_sqrt", version))
-    scaled_warmup = _scaled_warmup(optimizer, init_lr, lr_warmup_steps, version)
+    scaled_warmup = _scaled_warmup(optimizer, init_lr, version)
     if has("megatron_scheduler", version) and not megatron_lacks_style and not scaled_warmup:
         from .. import symbols
 
-        return symbols.resolve("OptimizerParamScheduler")(*args)
-    if has("megatron_scheduler", version) and scaled_warmup:
+        scheduler = _with_resume_rules(symbols.resolve("OptimizerParamScheduler"))(*args)
+        scheduler._filled_bounds = filled
+        return scheduler
+    if has("megatron_scheduler", version) and scaled_warmup and lr_warmup_steps > 0:
         warn_once_rank_0(
             f"optimizer_param_scheduler: init_lr={init_lr} with scaled groups (lr_mult "
             f"{', '.join(scaled_warmup)}): every group warms up from init_lr to its scaled peak, as megatron-core "
             f"0.16+ does; megatron-core {version}'s own scheduler would start a scaled group at init_lr * lr_mult, "
             f"so mcore_compat's scheduler (same state_dict) serves this one")
-    return ParamScheduler(*args)
+    scheduler = ParamScheduler(*args)
+    scheduler._filled_bounds = filled
+    return scheduler
 
 
-def _scaled_warmup(optimizer: Any, init_lr: float, lr_warmup_steps: float, version: Any) -> list[str]:
+def _scaled_warmup(optimizer: Any, init_lr: float, version: Any) -> list[str]:
     """The ``lr_mult`` values (other than 1) of the groups whose warmup from ``init_lr > 0`` would differ from
     0.16+'s meaning on this release (before 0.16 the release's scheduler multiplies the whole schedule, ``init_lr``
-    included, by ``lr_mult``: fact ``scheduler_ignores_lr_mult``); empty where it would not."""
-    if has("scheduler_ignores_lr_mult", version) or not init_lr > 0 or not lr_warmup_steps > 0:
+    included, by ``lr_mult``: fact ``scheduler_ignores_lr_mult``); empty where it would not. Asked whatever the
+    warmup steps: a ``load_state_dict`` may restore a warmup the constructor did not have."""
+    if has("scheduler_ignores_lr_mult", version) or not init_lr > 0:
         return []
     return sorted({f"{float(g.get('lr_mult', 1.0)):g}" for g in optimizer.param_groups
                    if float(g.get("lr_mult", 1.0)) != 1.0})
