@@ -49,6 +49,36 @@ def _check_virtual_stages(chunks: list[Any], data_iterator: Any, vp_size: int | 
             )
 
 
+def _unbatched_p2p_at_two_stages(chunks: list[Any], pp_size: int | None) -> list[tuple[Any, bool, bool]]:
+    """Switch the interleaved schedule at a pipeline size of 2 from Megatron-Core's default batched P2P
+    (``batch_p2p_comm=True, overlap_p2p_comm=False``) to ``batch_p2p_comm=False, overlap_p2p_comm=True``, what
+    Megatron-LM's arguments give the interleaved schedule. With two stages the previous and the next stage are
+    one peer, and ``_batched_p2p_ops`` (``megatron/core/pipeline_parallel/p2p_communication.py``, 0.8-0.19 and
+    main) posts ``[send_prev, recv_prev, send_next, recv_next]`` to it in one tagless batch: both ranks post the
+    same order with opposite roles, so an activation lands where a gradient is expected and vice versa (same
+    shape: no error; measured on gloo: losses wrong from the third micro-batch, gradients off by 30-300x
+    norm-wise). ``overlap_p2p_comm`` splits the forward and backward exchanges of the steady state, and the
+    unbatched path gives the two directions separate communicators at a group size of 2.
+
+    Returns:
+        ``(config, batch_p2p_comm, overlap_p2p_comm)`` of each config switched, to restore after the schedule.
+    """
+    size = pp_size or mcore("parallel_state").get_pipeline_model_parallel_world_size()
+    if len(chunks) < 2 or size != 2:
+        return []
+    switched = []
+    for cfg in {id(c): c for c in (model_config(chunk) for chunk in chunks)}.values():
+        if getattr(cfg, "batch_p2p_comm", False) and not getattr(cfg, "overlap_p2p_comm", False):
+            switched.append((cfg, cfg.batch_p2p_comm, cfg.overlap_p2p_comm))
+            cfg.batch_p2p_comm, cfg.overlap_p2p_comm = False, True
+    if switched:
+        warn_once_rank_0(
+            "forward_backward: virtual pipeline stages at a pipeline size of 2 run with batch_p2p_comm=False, "
+            "overlap_p2p_comm=True (Megatron-Core's default batch_p2p_comm=True swaps activations and gradients "
+            "between the two stages there); set them so in the config to silence this")
+    return switched
+
+
 def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None) -> Callable[..., Any]:
     """Megatron's schedule for the given (default: parallel_state's) pipeline / virtual-pipeline sizes."""
     version = installed_version()
@@ -93,7 +123,10 @@ def forward_backward(
 
     With several model chunks (virtual pipeline stages, the interleaved schedule) ``data_iterator`` is a list
     with one iterator per chunk; their number must equal parallel_state's virtual pipeline size, and
-    ``config.virtual_pipeline_model_parallel_size`` (read by the 0.13+ schedule) is set to it where unset.
+    ``config.virtual_pipeline_model_parallel_size`` (read by the 0.13+ schedule) is set to it where unset. At a
+    pipeline size of 2 the interleaved schedule runs with ``batch_p2p_comm=False, overlap_p2p_comm=True`` (once
+    warned where the config asks for Megatron-Core's default batched P2P, which swaps activations and gradients
+    between the two stages: :func:`_unbatched_p2p_at_two_stages`).
 
     Args:
         seq_length, micro_batch_size, decoder_seq_length: needed (for the P2P tensor shapes) only when pipelining;
@@ -161,5 +194,10 @@ def forward_backward(
         else:
             raise UnsupportedVersionError(f"`{name}` is not taken by the schedules of megatron-core {version}")
     fn = get_forward_backward_func(pp_size, vp_size)
-    return fn(**kwargs)
+    switched = _unbatched_p2p_at_two_stages(chunks, pp_size)
+    try:
+        return fn(**kwargs)
+    finally:
+        for cfg, batch, overlap in switched:
+            cfg.batch_p2p_comm, cfg.overlap_p2p_comm = batch, overlap
 
