@@ -17,7 +17,7 @@ from packaging.version import Version
 
 from .._config_translate import drop_or_raise
 from ..capabilities import has
-from ..errors import UnsupportedVersionError
+from ..errors import InvalidArgumentError, UnsupportedVersionError
 from ._common import as_chunk_list, default_dp_group, installed_version, parallel_state, same_group
 from .optim_config import OptimConfig, check_legacy_settings, check_optimizer_config, optimizer_config_of
 from .optim_core import _private, _public
@@ -111,7 +111,9 @@ def get_megatron_optimizer(
         model_chunks: the DDP-wrapped chunks (a single module is accepted).
         no_weight_decay_cond, scale_lr_cond, lr_mult: the pre-0.16 parameter-group conditions
             (``cond(name, param) -> bool``); translated to ``config_overrides`` on 0.16+.
-        config_overrides: 0.16+ ``{ParamKey: ParamGroupOverride}`` (raises before 0.16).
+        config_overrides: 0.16+ ``{ParamKey: ParamGroupOverride}`` (raises before 0.16). As in Megatron they
+            replace the standard overrides: biases and 1-D params decay unless an entry says ``wd_mult=0.0``, and
+            ``decoupled_lr`` applies only through an entry (a one-time warning says so where no entry carries it).
         per_model_buffers: ``{chunk index: [buffers]}`` for the distributed optimizer (default: each chunk's
             ``buffers``); giving it selects Megatron's private builder.
         data_parallel_group, data_parallel_group_gloo, data_parallel_group_idx: explicit groups for the
@@ -127,10 +129,14 @@ def get_megatron_optimizer(
         optimizer of ``mcore_compat.legacy_optimizer`` with the same interface.
 
     Raises:
-        InvalidArgumentError: values no release can train with (see :func:`check_optimizer_config`), before anything
-            is built.
+        InvalidArgumentError: values no release can train with (see :func:`check_optimizer_config`), or
+            ``config_overrides`` with ``default_skip_embedding_weight_decay``, before anything is built.
     """
     check_optimizer_config(config)
+    if config_overrides is not None and default_skip_embedding_weight_decay:
+        raise InvalidArgumentError(
+            "get_megatron_optimizer: pass config_overrides or default_skip_embedding_weight_decay, not both: with "
+            "config_overrides, add an entry {ParamKey(name='*embedding*'): {'wd_mult': 0.0}} instead")
     version = installed_version()
     chunks, _ = as_chunk_list(model_chunks)
     args = dict(no_weight_decay_cond=no_weight_decay_cond, scale_lr_cond=scale_lr_cond, lr_mult=lr_mult,

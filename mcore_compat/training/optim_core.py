@@ -18,7 +18,12 @@ from ..capabilities import fact
 from ..errors import InvalidArgumentError, UnsupportedVersionError
 from ..rank0 import warn_once_rank_0
 from ._common import default_dp_group, group_ranks, mcore, parallel_state, same_group
-from .optim_groups import _conds_to_overrides, _param_groups, _unshadowed_lr_mult
+from .optim_groups import (
+    _conds_to_overrides,
+    _param_groups,
+    _unshadowed_lr_mult,
+    _warn_unapplied_decoupled_lr,
+)
 
 
 def _core_params(name: str, version: Version) -> tuple[str, ...]:
@@ -49,6 +54,7 @@ def _public(version: Version, config: Any, chunks: list[Any], a: dict[str, Any])
                     "pass config_overrides or no_weight_decay_cond/scale_lr_cond, not both"
                 )
             kwargs["config_overrides"] = a["config_overrides"]
+            _warn_unapplied_decoupled_lr(config, a["config_overrides"])
         elif a["no_weight_decay_cond"] is not None or a["scale_lr_cond"] is not None:
             kwargs["config_overrides"] = _conds_to_overrides(config, a["no_weight_decay_cond"],
                                                              a["scale_lr_cond"], a["lr_mult"])

@@ -8,13 +8,14 @@ private builder, and the per-group learning rate and weight decay a constant sch
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from packaging.version import Version
 
 from ..capabilities import fact, has
 from ..errors import UnsupportedVersionError
+from ..rank0 import warn_once_rank_0
 from ._common import mcore
 from .scheduler import set_group_lr
 
@@ -131,6 +132,21 @@ def _apply_lr_and_weight_decay(optimizer: Any, lr: float | None, weight_decay: f
         group["weight_decay"] = weight_decay * float(group.get("wd_mult", 1.0))
 
 
+def _warn_unapplied_decoupled_lr(config: Any, overrides: Mapping[Any, Any]) -> None:
+    """Say (once, rank 0) that ``decoupled_lr`` is not applied: megatron-core 0.16+ applies it only through
+    ``get_standard_config_overrides(config)``, which a user's ``config_overrides`` replace
+    (``megatron/core/optimizer/__init__.py``, ``_get_param_groups``); silent unless no entry carries that
+    learning rate as its ``max_lr``."""
+    decoupled = getattr(config, "decoupled_lr", None)
+    if decoupled is None or any(isinstance(v, Mapping) and v.get("max_lr") == decoupled for v in overrides.values()):
+        return
+    warn_once_rank_0(
+        f"get_megatron_optimizer: decoupled_lr={decoupled} is not applied with config_overrides (megatron-core "
+        f"applies it only through get_standard_config_overrides(config), which config_overrides replace): add "
+        f"{{ParamKey(attr='is_embedding_or_output_parameter'): {{'max_lr': {decoupled}}}}} or start from "
+        f"get_standard_config_overrides(config)")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the param groups handed to Megatron's private builder
 # ----------------------------------------------------------------------------------------------------------------
@@ -140,6 +156,8 @@ def _param_groups(version: Version, config: Any, chunks: list[Any], a: dict[str,
     style = fact("param_groups_style", version)
     if style == "v16":
         overrides = a["config_overrides"]
+        if overrides is not None:
+            _warn_unapplied_decoupled_lr(config, overrides)
         if overrides is None and (a["no_weight_decay_cond"] is not None or a["scale_lr_cond"] is not None):
             overrides = _conds_to_overrides(config, a["no_weight_decay_cond"], a["scale_lr_cond"], a["lr_mult"])
         if overrides is None:

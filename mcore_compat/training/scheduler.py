@@ -66,6 +66,31 @@ def _fill_group_bounds(optimizer: Any, max_lr: float, min_lr: float,
     return filled
 
 
+def _check_group_bounds(bounds: list[tuple[Any, Any]], where: str) -> None:
+    """Refuse groups that would decay upwards: ``bounds`` is each group's ``(max_lr, min_lr)`` as the scheduler
+    will use them (its own, or the scheduler's where it has none). Megatron's formulas run from ``max_lr`` to
+    ``min_lr`` whatever their order, so a group's own peak below the scheduler's floor (``OptimConfig(lr=1e-5)``
+    with ``min_lr=1e-4`` given here, or a ``config_overrides`` entry's ``max_lr`` below ``OptimConfig.min_lr``)
+    would train with a learning rate that rises as it "decays"."""
+    bad = sorted({f"max_lr={mx!r} with min_lr={mn!r}" for mx, mn in bounds
+                  if is_finite_real(mx) and is_finite_real(mn) and mn > mx})
+    if bad:
+        raise InvalidArgumentError(
+            f"{where}: param groups would decay upwards ({'; '.join(bad)}): a group's own max_lr (OptimConfig.lr, "
+            f"decoupled_lr, a config_overrides entry) is below its min_lr (its own, or this scheduler's min_lr "
+            f"where it has none); give a min_lr at most every group's max_lr")
+
+
+def _bounds_after_fill(optimizer: Any, max_lr: float, min_lr: float, lr_mult_in_bounds: bool) -> list[tuple[Any, Any]]:
+    """Each group's ``(max_lr, min_lr)`` once :func:`_fill_group_bounds` has run (nothing is changed)."""
+    out = []
+    for group in optimizer.param_groups:
+        scale = float(group.get("lr_mult", 1.0)) if lr_mult_in_bounds else 1.0
+        mx, mn = group.get("max_lr"), group.get("min_lr")
+        out.append((float(max_lr) * scale if mx is None else mx, float(min_lr) * scale if mn is None else mn))
+    return out
+
+
 def _check(init_lr: Any, max_lr: Any, min_lr: Any, lr_warmup_steps: Any, lr_decay_steps: Any, lr_decay_style: Any,
            start_wd: Any, end_wd: Any, wd_incr_steps: Any, wd_incr_style: Any, use_checkpoint: bool | None,
            override: bool | None, wsd_decay_steps: Any, lr_wsd_decay_style: Any) -> None:
@@ -186,6 +211,12 @@ class _ResumeRules:
                    override=self.override_opt_param_scheduler)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"{exc} (the checkpoint's settings with this scheduler's)") from None
+        groups = self.optimizer.param_groups
+        bounds = [(g.get("max_lr"), g.get("min_lr")) for g in groups]
+        for index, key, scale in self._filled_bounds:
+            bounds[index] = ((float(restored["max_lr"]) * scale, bounds[index][1]) if key == "max_lr"
+                             else (bounds[index][0], float(restored["min_lr"]) * scale))
+        _check_group_bounds(bounds, "optimizer_param_scheduler.load_state_dict")
         wd_changed = [n for n in _WD_STATE if n in restored and restored[n] != getattr(self, n)]
         if wd_changed and type(self).__name__ != "ParamScheduler":
             warn_once_rank_0(
@@ -194,7 +225,6 @@ class _ResumeRules:
                 f"from the next step")
         for name, value in restored.items():
             setattr(self, name, value)
-        groups = self.optimizer.param_groups
         for index, key, scale in self._filled_bounds:
             groups[index][key] = float(getattr(self, key)) * scale
         self.step(increment=sd["num_steps"])
@@ -244,6 +274,7 @@ class ParamScheduler(_ResumeRules):
                wd_incr_steps, wd_incr_style, use_checkpoint_opt_param_scheduler, override_opt_param_scheduler,
                wsd_decay_steps, lr_wsd_decay_style)
         # it multiplies by lr_mult itself
+        _check_group_bounds(_bounds_after_fill(optimizer, max_lr, min_lr, False), "optimizer_param_scheduler")
         self._filled_bounds = _fill_group_bounds(optimizer, max_lr, min_lr, lr_mult_in_bounds=False)
         self.step(0)
 
@@ -358,8 +389,9 @@ def optimizer_param_scheduler(optimizer: Any, init_lr: float, max_lr: float, min
 
     Raises:
         InvalidArgumentError: settings Megatron's scheduler asserts against or cannot compute (bounds out of
-            order, a negative learning rate or step count, an unknown style, a ``None`` bound): one line naming
-            each, before any group is changed.
+            order, a negative learning rate or step count, an unknown style, a ``None`` bound), or a group whose
+            own ``max_lr`` is below its ``min_lr`` (it would decay upwards): one line naming each, before any
+            group is changed.
     """
     args = (optimizer, init_lr, max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style, start_wd,
             end_wd, wd_incr_steps, wd_incr_style, use_checkpoint_opt_param_scheduler, override_opt_param_scheduler,
@@ -368,7 +400,9 @@ def optimizer_param_scheduler(optimizer: Any, init_lr: float, max_lr: float, min
            wd_incr_style, use_checkpoint_opt_param_scheduler, override_opt_param_scheduler, wsd_decay_steps,
            lr_wsd_decay_style)
     version = installed_version()
-    filled = _fill_group_bounds(optimizer, max_lr, min_lr, has("scheduler_ignores_lr_mult", version))
+    in_bounds = has("scheduler_ignores_lr_mult", version)
+    _check_group_bounds(_bounds_after_fill(optimizer, max_lr, min_lr, in_bounds), "optimizer_param_scheduler")
+    filled = _fill_group_bounds(optimizer, max_lr, min_lr, in_bounds)
     # 0.9-0.12's scheduler lacks the WSD style 'minus_sqrt' (fact scheduler_wsd_minus_sqrt): ours serves it there.
     megatron_lacks_style = (lr_decay_style == "WSD" and lr_wsd_decay_style == "minus_sqrt"
                             and not has("scheduler_wsd_minus_sqrt", version))
