@@ -191,6 +191,8 @@ def transformer_config(opts: SelfCheckOptions) -> Any:
         bias_activation_fusion=False, bias_gelu_fusion=False, apply_rope_fusion=False,
         **_moe_fields(opts),
     )
+    if vpp > 1:  # Megatron-LM's P2P settings for the interleaved schedule (forward_backward needs them at PP=2)
+        kwargs.update(batch_p2p_comm=False, overlap_p2p_comm=True)
     fields = set(getattr(cls, "__dataclass_fields__", {}))
     return cls(**{k: v for k, v in kwargs.items() if k in fields})
 
