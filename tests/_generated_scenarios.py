@@ -8,23 +8,25 @@ and compares what it built with three oracles.
 * the reference release (the committed cases only: ``committed`` below).
 
 Properties: ``schedule`` (every parameter's lr and weight decay over a schedule, resumed in the middle, against
-both oracles), ``invalid`` (one change from :data:`INVALID_OPTIMIZER` or :data:`INVALID_SCHEDULE` to a valid draw
+both oracles), ``resume`` (a restarted job's scheduler - other settings or not, ``use_checkpoint_opt_param_scheduler``,
+``override_opt_param_scheduler`` or neither - loads a checkpointed one's ``state_dict`` at a drawn step: Megatron's
+rules, against the spec and Megatron's own scheduler through the same resume), ``invalid`` (one change from :data:`INVALID_OPTIMIZER` or :data:`INVALID_SCHEDULE` to a valid draw
 is refused with an ``InvalidArgumentError`` in one line naming the setting, before any group changes) and
-``update`` (1-3 real training steps with drawn DDP settings - bucket size, ``overlap_grad_reduce``,
-``grad_reduce_in_fp32``, ``average_in_collective``, ``overlap_param_gather`` -, forward, backward,
+``update`` (1-3 real training steps - 1-4 in fp16 - with drawn DDP settings - bucket size, ``overlap_grad_reduce``,
+``grad_reduce_in_fp32``, ``average_in_collective``, ``overlap_param_gather`` -, fp32, bf16 or fp16 with a static or
+dynamic loss scaler, forward, backward,
 ``finalize_model_grads``, ``optimizer_step``: each step's
 gradient against a float64 replica of the model in plain torch, the reported grad norm against the gradients', the
 fp32 main params after the steps against Adam in float64 with the spec's per-parameter lr and weight decay, coupled
-or decoupled; faults it was seen to catch inside Megatron 0.16.1: the grad norm not summed over the distributed
-optimizer's shards, DDP summing instead of averaging, beta2 taking beta1's value).
+or decoupled; in fp16 which steps were skipped and every step's loss scale against Megatron's scalers in plain
+Python; faults it was seen to catch inside Megatron 0.16.1: the grad norm not summed over the distributed
+optimizer's shards, DDP summing instead of averaging, beta2 taking beta1's value, a dynamic loss scale that never
+grows). ``builders`` and ``schedules`` live in modules of their own (:data:`MODULE_PROPERTIES`).
 
 ``committed`` replays :data:`COMMITTED` (the settings that broke a release, kept as regression cases, and a spread
 of what users train with) against all three oracles: the spec, raw Megatron, and the reference release's record
 (:data:`REFERENCE`, written by ``scripts/generated_reference.py``, which ``--check`` compares; values within
 :data:`UPDATE_TOL` and :data:`ULPS`).
-
-Not yet: fp16 with its loss scaler in the update property, several micro-batches and PP/VPP schedules, the
-config-builder settings.
 
 Hypothesis runs on rank 0 (a fixed seed per property, the committed example database, read-only) and sends each
 example to every rank (:func:`_run_property`); the ranks build the same things and decide on data gathered from
@@ -35,6 +37,7 @@ returns ``{"status", "examples", "failure"}``; a failure carries Hypothesis's fa
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -51,7 +54,7 @@ from _training_scenarios import apply_patches
 HERE = Path(__file__).resolve().parent
 DATABASE = HERE / "data" / "hypothesis"
 #: Examples per property and release session (the committed cases and database entries come on top).
-EXAMPLES = {"schedule": 12, "invalid": 30, "update": 10}
+EXAMPLES = {"schedule": 12, "resume": 16, "overrides": 10, "invalid": 30, "update": 12}
 #: Set (to anything) to let Hypothesis (on rank 0) save new failing examples into the committed database while
 #: developing.
 SAVE_ENV = "MCORE_COMPAT_HYPOTHESIS_SAVE"
@@ -59,15 +62,25 @@ REL = 1e-9
 
 
 # ---------------------------------------------------------------------------------------------------- the model
-def _model(bf16: bool) -> Any:
+def _dtype(precision: str) -> Any:
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def _precision(build: dict[str, Any]) -> str:
+    return "fp16" if build.get("fp16") else "bf16" if build["bf16"] else "fp32"
+
+
+def _model(precision: str) -> Any:
     """A tiny model with every kind of parameter the group rules tell apart: an embedding weight (decoupled lr),
-    a linear weight and bias, a 1-D norm weight."""
+    a linear weight and bias, a 1-D norm weight; its parameters in ``precision`` (fp32, bf16 or fp16)."""
     import torch
 
     import mcore_compat as mc
 
     config = mc.TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True,
-                                  bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32)
+                                  bf16=precision == "bf16", fp16=precision == "fp16", params_dtype=_dtype(precision))
 
     class Tiny(mc.MegatronModule):
         def __init__(self) -> None:
@@ -121,28 +134,98 @@ NO_WD_CONDS: dict[str, Callable[[str, Any], bool] | None] = {"default": None, "b
 def rule_of(name: str, shape: list[int], build: dict[str, Any]) -> O.GroupRule:
     """The spec's grouping of a parameter for the build settings ``build``."""
     cond = NO_WD_CONDS[build["no_wd"]]
-    no_decay = cond(name, None) if cond is not None else (name.endswith(".bias") or len(shape) == 1)
+    # default_skip_embedding_weight_decay (0.14/0.15's flag, on every release): embeddings too, unless a
+    # no_weight_decay_cond is given
+    no_decay = cond(name, None) if cond is not None else (
+        name.endswith(".bias") or len(shape) == 1 or (bool(build.get("skip_embedding_wd")) and "embedding" in name))
     return O.GroupRule(decoupled=name == "embedding" and build["decoupled_lr"] is not None,
                        scaled=bool(build["scale"]) and _scale_fc(name, None), no_decay=no_decay)
+
+
+def override_of(name: str, desc: dict[str, Any]) -> dict[str, Any]:
+    """The spec's merged ``config_overrides`` entry of a parameter for the drawn description ``desc`` (what
+    :func:`_config_overrides` builds): ``*.bias`` -> ``wd_mult``; ``*fc.*`` -> ``max_lr``/``min_lr``; the
+    embedding (``is_embedding_or_output_parameter``) -> ``max_lr``/``min_lr``."""
+    merged: dict[str, Any] = {}
+    if name.endswith(".bias") and desc["bias_wd_mult"] is not None:
+        merged["wd_mult"] = desc["bias_wd_mult"]
+    if name.startswith("fc.") and desc["fc"] is not None:
+        merged.update(desc["fc"])
+    if name == "embedding" and desc["embedding"] is not None:
+        merged.update(desc["embedding"])
+    return merged
+
+
+def _config_overrides(desc: dict[str, Any]) -> dict[Any, Any]:
+    """Megatron's ``config_overrides`` (0.16+) for the drawn description ``desc``."""
+    from mcore_compat import symbols
+
+    key = symbols.resolve("ParamKey")
+    if not key:  # before 0.16 (no ParamKey): a mapping of the same shape, which the adapter must refuse
+        def key(**fields: str) -> Any:
+            return tuple(fields.items())
+    out: dict[Any, Any] = {}
+    if desc["bias_wd_mult"] is not None:
+        out[key(name="*.bias")] = {"wd_mult": desc["bias_wd_mult"]}
+    if desc["fc"] is not None:
+        out[key(name="*fc.*")] = dict(desc["fc"])
+    if desc["embedding"] is not None:
+        out[key(attr="is_embedding_or_output_parameter")] = dict(desc["embedding"])
+    return out
+
+
+def param_bounds(name: str, shape: list[int], build: dict[str, Any], sched: dict[str, Any]) -> tuple[float, float]:
+    """The spec's (peak, floor) of a parameter under the schedule ``sched``. With ``config_overrides``
+    (Megatron 0.16+'s rule): the entry's ``max_lr``/``min_lr``, else ``OptimConfig.lr``/``min_lr`` (``decoupled_lr``
+    is not applied: the user's entries replace the standard ones), a missing floor the scheduler's."""
+    spec = O.Schedule(**{k: v for k, v in sched.items() if k not in ("resume_at", "steps")})
+    if build.get("overrides") is not None:
+        entry = override_of(name, build["overrides"])
+        floor = entry.get("min_lr", build["min_lr"])
+        return entry.get("max_lr", build["lr"]), spec.min_lr if floor is None else floor
+    return O.bounds(rule_of(name, shape, build), lr=build["lr"], min_lr=build["min_lr"],
+                    decoupled_lr=build["decoupled_lr"], decoupled_min_lr=build["decoupled_min_lr"],
+                    lr_mult=build["lr_mult"] if build["scale"] else 1.0, s=spec)
+
+
+#: The tiny model's parameters and shapes (what :func:`_model` builds).
+SHAPES = {"embedding": [6, 8], "fc.weight": [8, 8], "fc.bias": [8], "norm": [8]}
+
+
+def param_trajectory(name: str, shape: list[int], build: dict[str, Any], sched: dict[str, Any],
+                     steps: int) -> list[tuple[float, float]]:
+    """The spec's (lr, weight decay) of a parameter at steps ``0 .. steps``."""
+    spec = O.Schedule(**{k: v for k, v in sched.items() if k not in ("resume_at", "steps")})
+    if build.get("overrides") is None:
+        return O.trajectory(rule_of(name, shape, build), steps, spec, lr=build["lr"], min_lr=build["min_lr"],
+                            decoupled_lr=build["decoupled_lr"], decoupled_min_lr=build["decoupled_min_lr"],
+                            lr_mult=build["lr_mult"] if build["scale"] else 1.0)
+    peak, floor = param_bounds(name, shape, build, sched)
+    wd_mult = float(override_of(name, build["overrides"]).get("wd_mult", 1.0))
+    return [(O.lr_at(n, spec, peak, floor), O.wd_at(n, spec) * wd_mult) for n in range(steps + 1)]
+
+
+def decays_upwards(build: dict[str, Any], sched: dict[str, Any]) -> list[str]:
+    """The parameters whose floor is above their peak under ``sched`` (the scheduler refuses such groups)."""
+    return [n for n, shape in SHAPES.items() if (lambda b: b[1] > b[0])(param_bounds(n, shape, build, sched))]
 
 
 def _build(build: dict[str, Any], changes: dict[str, Any] | None = None) -> tuple[list[Any], Any]:
     """The DDP-wrapped tiny model and the optimizer built for ``build``; ``changes`` are set on the
     ``OptimConfig`` after it is made (the invalid-settings property's mutations)."""
-    import torch
-
     from mcore_compat import training
 
-    bf16, distopt = bool(build["bf16"]), bool(build["distopt"])
-    ddp = {"grad_reduce_in_fp32": bf16, **build.get("ddp", {})}  # the update property draws the DDP settings
-    chunks = training.wrap_ddp([_model(bf16)], ddp_config=training.DDPConfig(use_distributed_optimizer=distopt,
+    precision, distopt = _precision(build), bool(build["distopt"])
+    # the update property draws the DDP settings and fp16's loss scaler
+    ddp = {"grad_reduce_in_fp32": precision != "fp32", **build.get("ddp", {})}
+    chunks = training.wrap_ddp([_model(precision)], ddp_config=training.DDPConfig(use_distributed_optimizer=distopt,
                                                                              **ddp))
     config = training.OptimConfig(
         optimizer="adam", lr=build["lr"], min_lr=build["min_lr"], decoupled_lr=build["decoupled_lr"],
         decoupled_min_lr=build["decoupled_min_lr"], weight_decay=build["weight_decay"], clip_grad=build["clip_grad"],
         adam_beta1=build["beta1"], adam_beta2=build["beta2"], adam_eps=build["eps"],
-        decoupled_weight_decay=build["decoupled_wd"], use_distributed_optimizer=distopt, bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32)
+        decoupled_weight_decay=build["decoupled_wd"], use_distributed_optimizer=distopt, bf16=precision == "bf16",
+        fp16=precision == "fp16", params_dtype=_dtype(precision), **build.get("scaler", {}))
     for name, value in (changes or {}).items():
         setattr(config, name, value)
     kwargs: dict[str, Any] = {}
@@ -150,6 +233,10 @@ def _build(build: dict[str, Any], changes: dict[str, Any] | None = None) -> tupl
         kwargs["no_weight_decay_cond"] = NO_WD_CONDS[build["no_wd"]]
     if build["scale"]:
         kwargs.update(scale_lr_cond=_scale_fc, lr_mult=build["lr_mult"])
+    if build.get("overrides") is not None:
+        kwargs["config_overrides"] = _config_overrides(build["overrides"])
+    if build.get("skip_embedding_wd"):
+        kwargs["default_skip_embedding_weight_decay"] = True
     try:
         return chunks, training.get_megatron_optimizer(config, chunks, **kwargs)
     except BaseException:
@@ -212,6 +299,7 @@ def _strategies() -> Any:
                 st.one_of(st.none(), frac.map(lambda f: decoupled * f))),
             "weight_decay": draw(st.sampled_from([0.0, 0.01, 0.1])),
             "no_wd": draw(st.sampled_from(sorted(NO_WD_CONDS))),
+            "skip_embedding_wd": draw(st.booleans()),
             "scale": draw(st.booleans()),
             "lr_mult": draw(st.sampled_from([0.5, 2.0, 3.0])),
             "distopt": draw(st.booleans()),
@@ -250,13 +338,14 @@ def _strategies() -> Any:
 
 def _settings(name: str, version: str) -> Any:
     """Hypothesis's settings of property ``name`` (only rank 0 runs Hypothesis: :func:`_run_property`)."""
+    examples = EXAMPLES[name] if name in EXAMPLES else importlib.import_module(MODULE_PROPERTIES[name]).EXAMPLES
     from hypothesis import HealthCheck, settings
     from hypothesis.database import DirectoryBasedExampleDatabase, ReadOnlyDatabase
 
     db: Any = DirectoryBasedExampleDatabase(DATABASE)
     if not os.environ.get(SAVE_ENV):
         db = ReadOnlyDatabase(db)
-    return settings(max_examples=EXAMPLES[name], deadline=None, database=db, print_blob=True,
+    return settings(max_examples=examples, deadline=None, database=db, print_blob=True,
                     suppress_health_check=list(HealthCheck))
 
 
@@ -290,6 +379,14 @@ def _run_property(name: str, version: str, draw: Callable[[Any], dict[str, Any]]
     from hypothesis import given, seed
     from hypothesis import strategies as st
 
+    checked = body
+
+    def body(example: dict[str, Any]) -> list[str]:  # an exception is a mismatch: every rank goes on to the next
+        try:
+            return checked(example)
+        except Exception as exc:
+            return [f"raised {type(exc).__name__}: {exc}"[:2000]]
+
     if dist.get_rank() != 0:
         while True:
             command, payload = _broadcast()
@@ -322,6 +419,7 @@ def observe_schedule(build: dict[str, Any], sched: dict[str, Any]) -> dict[str, 
     at ``resume_at``); per parameter its (lr, wd) at every step, and raw Megatron's where it accepts the groups."""
     from mcore_compat import rank0, symbols, training
     from mcore_compat.capabilities import has
+    from mcore_compat.errors import InvalidArgumentError
 
     chunks, optimizer = _build(build)
     shapes = {n: list(p.shape) for n, p in _named(chunks).items()}
@@ -339,9 +437,15 @@ def observe_schedule(build: dict[str, Any], sched: dict[str, Any]) -> dict[str, 
 
     for key in [k for k in rank0._WARNED if k[0].startswith("optimizer_param_scheduler: init_lr=")]:
         rank0._WARNED.discard(key)  # this warning may come afresh in every example (it is once per process)
+    before = _snapshot(optimizer)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        scheduler = training.optimizer_param_scheduler(optimizer, **kwargs)
+        try:
+            scheduler = training.optimizer_param_scheduler(optimizer, **kwargs)
+        except InvalidArgumentError as exc:
+            changed = _snapshot(optimizer) != before
+            _release(chunks)
+            return {"shapes": shapes, "refused": str(exc), "changed": changed}
     said = [str(w.message) for w in caught if "init_lr" in str(w.message) and "lr_mult" in str(w.message)]
     seen, ours = [_table(optimizer, chunks)], [groups(optimizer.param_groups)]
     for n in range(1, sched["steps"] + 1):
@@ -365,18 +469,24 @@ def observe_schedule(build: dict[str, Any], sched: dict[str, Any]) -> dict[str, 
     _release(chunks)
     said_anywhere = any(_all_ranks(bool(said)))  # the warning comes from rank 0 only
     return {"shapes": shapes, "seen": [{k: list(v) for k, v in t.items()} for t in seen], "raw": raw,
-            "groups": ours, "differs": differs, "said": said_anywhere}
+            "groups": ours, "differs": differs, "said": said_anywhere, "refused": None}
 
 
 def schedule_mismatches(build: dict[str, Any], sched: dict[str, Any], observed: dict[str, Any]) -> list[str]:
     """What ``observed`` (from :func:`observe_schedule`) gets wrong against the spec, in words."""
-    spec = O.Schedule(**{k: v for k, v in sched.items() if k not in ("resume_at", "steps")})
+    upwards = decays_upwards(build, sched)
+    if upwards or observed["refused"] is not None:
+        if not upwards:
+            return [f"refused a schedule the spec runs: {observed['refused']}"]
+        if observed["refused"] is None:
+            return [f"{upwards} would decay upwards (floor above peak), but the scheduler was built"]
+        if "\n" in observed["refused"] or "decay upwards" not in observed["refused"] or observed["changed"]:
+            return [f"the refusal of {upwards} is not one line saying so, or the groups changed: "
+                    f"{observed['refused']!r}"]
+        return []
     bad = []
     for name, shape in observed["shapes"].items():
-        want = O.trajectory(rule_of(name, shape, build), sched["steps"], spec, lr=build["lr"],
-                            min_lr=build["min_lr"], decoupled_lr=build["decoupled_lr"],
-                            decoupled_min_lr=build["decoupled_min_lr"],
-                            lr_mult=build["lr_mult"] if build["scale"] else 1.0)
+        want = param_trajectory(name, shape, build, sched, sched["steps"])
         for step, (table, (lr, wd)) in enumerate(zip(observed["seen"], want, strict=True)):
             got = table.get(name)
             if got is None or len(got) != 2 or not (_close(got[0], lr) and _close(got[1], wd)):
@@ -388,6 +498,8 @@ def schedule_mismatches(build: dict[str, Any], sched: dict[str, Any], observed: 
 def raw_mismatches(observed: dict[str, Any]) -> list[str]:
     """Where raw Megatron accepts the groups, the adapter must give exactly its values; where mcore_compat
     deliberately differs, it must have said so in its one-line warning."""
+    if observed["refused"] is not None:
+        return []
     bad = []
     raw = observed["raw"]
     if raw is not None:
@@ -413,6 +525,293 @@ def _schedule_property(version: str) -> dict[str, Any]:
         return schedule_mismatches(example["build"], example["schedule"], observed) + raw_mismatches(observed)
 
     return _run_property("schedule", version, draw, body)
+
+
+# ------------------------------------------------------------------------------------------------- the resume
+#: The settings a scheduler's ``state_dict`` holds, in the groups a resume draws as changed together (each group
+#: is valid on its own); ``init_lr`` and the WSD anneal are not in it and always come from the constructor.
+STATE_GROUPS = {"bounds": ("max_lr", "min_lr"), "steps": ("lr_warmup_steps", "lr_decay_steps"),
+                "style": ("lr_decay_style",), "weight decay": ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style")}
+RESUME_MODES = ("use_checkpoint", "override", "neither")
+_NOT_IN_STATE = ("init_lr", "wsd_decay_steps", "lr_wsd_decay_style")
+
+
+def resume_spec(build: dict[str, Any], first: dict[str, Any], second: dict[str, Any],
+                mode: str) -> tuple[dict[str, Any] | None, list[str]]:
+    """What a scheduler built with ``second`` (and the ``mode``'s flags) follows after ``load_state_dict`` of one
+    built with ``first``: (the schedule's settings, []) or (None, the settings whose refusal is expected).
+    Megatron's rules: ``override`` - the constructor's; ``use_checkpoint`` - the checkpoint's; neither - they must
+    be equal. Settings not in a ``state_dict`` (``init_lr``, the WSD anneal) are the constructor's. A restored
+    combination the scheduler cannot run (a WSD style without its anneal, ``init_lr`` above the restored peak,
+    a warmup as long as the restored decay: the message says it is the checkpoint's; a group whose floor comes
+    above its peak: the message says it would decay upwards) is refused."""
+    state = [n for names in STATE_GROUPS.values() for n in names]
+    differ = [n for n in state if first[n] != second[n]]
+    if mode == "neither" and differ:
+        return None, differ
+    merged = dict(second) if mode == "override" else {**second, **{n: first[n] for n in state}}
+    bad = []
+    if merged["lr_decay_style"] == "WSD" and (merged["wsd_decay_steps"] is None
+                                              or merged["lr_wsd_decay_style"] is None):
+        bad.append("WSD")
+    if not merged["init_lr"] <= merged["max_lr"]:
+        bad.append("init_lr")
+    if not merged["lr_warmup_steps"] < merged["lr_decay_steps"]:
+        bad.append("lr_warmup_steps")
+    if bad:
+        return None, ["checkpoint"]
+    if decays_upwards(build, merged):
+        return None, ["decay upwards"]
+    return merged, []
+
+
+def observe_resume(build: dict[str, Any], first: dict[str, Any], second: dict[str, Any], mode: str,
+                   resume_at: int, steps: int) -> dict[str, Any]:
+    """Run a scheduler built with ``first`` ``resume_at`` steps, then - as a restarted job does - build the
+    optimizer again, a scheduler with ``second`` and the ``mode``'s flags, ``load_state_dict`` the first one's
+    state and step on to ``steps``: per parameter its (lr, wd) from the resumed step on, or the refusal; raw
+    Megatron's groups through the same resume where it accepts them (0.9+, every group with its own bounds)."""
+    from mcore_compat import rank0, symbols, training
+    from mcore_compat.capabilities import has
+
+    flags = {"use_checkpoint_opt_param_scheduler": mode == "use_checkpoint",
+             "override_opt_param_scheduler": mode == "override"}
+    chunks, optimizer = _build(build)
+    scheduler = training.optimizer_param_scheduler(optimizer, **first)
+    scheduler.step(resume_at)
+    state = scheduler.state_dict()
+    _release(chunks)
+    chunks, optimizer = _build(build)
+    shapes = {n: list(p.shape) for n, p in _named(chunks).items()}
+    resumed = training.optimizer_param_scheduler(optimizer, **second, **flags)
+    before = _snapshot(optimizer)
+    out: dict[str, Any] = {"shapes": shapes, "error": None, "message": "", "changed": False, "seen": [],
+                           "groups": [], "raw": None}
+    for key in [k for k in rank0._WARNED if k[0].startswith("optimizer_param_scheduler.load_state_dict:")]:
+        rank0._WARNED.discard(key)
+    megatron = symbols.resolve("OptimizerParamScheduler") if has("megatron_scheduler") else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            resumed.load_state_dict(state)
+        except Exception as exc:
+            out.update(error=type(exc).__name__, message=str(exc), changed=_snapshot(optimizer) != before)
+    out["said"] = any(_all_ranks(any("load_state_dict" in str(w.message) for w in caught)))
+    out["megatron_class"] = megatron is not None and isinstance(resumed, megatron)
+    if out["error"] is None:
+        for n in range(resume_at, steps + 1):
+            if n > resume_at:
+                resumed.step(1)
+            out["seen"].append(_table(optimizer, chunks))
+            out["groups"].append([[float(g["lr"]), float(g["weight_decay"])] for g in optimizer.param_groups])
+        if out["megatron_class"] and all(g.get("min_lr") is not None for g in optimizer.param_groups):
+            out["raw"] = _raw_resume(optimizer, first, second, flags, resume_at, steps, state)
+    _release(chunks)
+    return out
+
+
+def _raw_resume(optimizer: Any, first: dict[str, Any], second: dict[str, Any], flags: dict[str, bool],
+                resume_at: int, steps: int, state: dict[str, Any]) -> list[list[list[float]]] | None:
+    """Megatron's own scheduler through the same resume, on copies of the groups as built ([lr, wd] per group per
+    step from the resumed one), or None where it refuses."""
+    from mcore_compat import symbols
+
+    class _Opt:
+        param_groups = [dict(g, params=[]) for g in optimizer.param_groups]
+
+    raw = symbols.resolve("OptimizerParamScheduler")(_Opt(), **second, **flags)
+    try:
+        raw.load_state_dict(dict(state))
+    except AssertionError:
+        return None
+    seen = [[[float(g["lr"]), float(g["weight_decay"])] for g in _Opt.param_groups]]
+    for _ in range(resume_at, steps):
+        raw.step(1)
+        seen.append([[float(g["lr"]), float(g["weight_decay"])] for g in _Opt.param_groups])
+    return seen
+
+
+def resume_mismatches(build: dict[str, Any], first: dict[str, Any], second: dict[str, Any], mode: str,
+                      resume_at: int, steps: int, observed: dict[str, Any]) -> list[str]:
+    """``observed`` (from :func:`observe_resume`) against :func:`resume_spec` and raw Megatron."""
+    merged, names = resume_spec(build, first, second, mode)
+    if merged is None:
+        if observed["error"] != "InvalidArgumentError":
+            return [f"{mode}: expected a refusal naming {names}, got {observed['error']} "
+                    f"{observed['message'][:200]!r}"]
+        bad = [] if "\n" not in observed["message"] and all(n in observed["message"] for n in names) else [
+            f"{mode}: the refusal is not one line naming {names}: {observed['message']!r}"]
+        if observed["changed"]:
+            bad.append(f"{mode}: the param groups changed before the refusal")
+        return bad
+    if observed["error"] is not None:
+        return [f"{mode}: refused a resume the spec runs: {observed['error']}: {observed['message'][:300]}"]
+    bad = []
+    for name, shape in observed["shapes"].items():
+        want = param_trajectory(name, shape, build, merged, steps)[resume_at:]
+        for n, (table, (lr, wd)) in enumerate(zip(observed["seen"], want, strict=True), start=resume_at):
+            got = table.get(name)
+            if got is None or len(got) != 2 or not (_close(got[0], lr) and _close(got[1], wd)):
+                bad.append(f"{mode}: {name} at step {n} after resuming at {resume_at}: (lr, wd) = {got}, the spec "
+                           f"gives ({lr!r}, {wd!r})")
+                break
+    wd_changed = mode == "use_checkpoint" and any(first[n] != second[n] for n in STATE_GROUPS["weight decay"])
+    if observed["said"] != (observed["megatron_class"] and wd_changed):
+        bad.append(f"{mode}: restored weight-decay settings that Megatron's scheduler applies a step late "
+                   f"(megatron class={observed['megatron_class']}, changed={wd_changed}) but the warning was "
+                   f"given={observed['said']}")
+    return bad
+
+
+def _resume_property(version: str) -> dict[str, Any]:
+    from hypothesis import assume
+
+    st, builds, schedules = _strategies()
+
+    def draw(data: Any) -> dict[str, Any]:
+        build = data.draw(builds, label="build")
+        first = data.draw(schedules(build), label="checkpointed schedule")
+        other = data.draw(schedules(build), label="the restarted job's schedule")
+        second = dict(first)
+        for group, names in STATE_GROUPS.items():
+            if data.draw(st.booleans(), label=f"{group} changed"):
+                second.update({n: other[n] for n in names})
+        if data.draw(st.booleans(), label="init_lr and WSD anneal changed"):
+            second.update({n: other[n] for n in _NOT_IN_STATE})
+        if second["init_lr"] > second["max_lr"] or (second["lr_decay_style"] == "WSD" and (
+                second["wsd_decay_steps"] is None or second["lr_wsd_decay_style"] is None)):
+            second.update({n: other[n] for n in (*_NOT_IN_STATE, "max_lr", "min_lr", "lr_decay_style")})
+        if not second["lr_warmup_steps"] < second["lr_decay_steps"]:
+            second.update(lr_warmup_steps=other["lr_warmup_steps"], lr_decay_steps=other["lr_decay_steps"])
+        first = {k: v for k, v in first.items() if k not in ("resume_at", "steps")}
+        second = {k: v for k, v in second.items() if k not in ("resume_at", "steps")}
+        assume(not decays_upwards(build, first) and not decays_upwards(build, second))  # the schedule property's
+        steps = max(first["lr_decay_steps"], second["lr_decay_steps"]) + 2
+        return {"build": build, "first": first, "second": second,
+                "mode": data.draw(st.sampled_from(RESUME_MODES), label="mode"),
+                "resume_at": data.draw(st.integers(1, steps - 1), label="resume at"), "steps": steps}
+
+    def body(e: dict[str, Any]) -> list[str]:
+        observed = observe_resume(e["build"], e["first"], e["second"], e["mode"], e["resume_at"], e["steps"])
+        return resume_mismatches(e["build"], e["first"], e["second"], e["mode"], e["resume_at"], e["steps"],
+                                 observed) + resume_raw_mismatches(e["first"], e["second"], e["mode"], observed)
+
+    return _run_property("resume", version, draw, body)
+
+
+def resume_raw_mismatches(first: dict[str, Any], second: dict[str, Any], mode: str,
+                          observed: dict[str, Any]) -> list[str]:
+    """Where raw Megatron runs the same resume, the groups must get its values: from the step after the resumed
+    one, and at the resumed step too unless restored weight-decay settings differ (Megatron applies them a step
+    late; said by :func:`resume_mismatches`' warning check)."""
+    raw = observed["raw"]
+    if raw is None:
+        return []
+    wd_changed = mode == "use_checkpoint" and any(first[n] != second[n] for n in STATE_GROUPS["weight decay"])
+    for n, (mine, theirs) in enumerate(zip(observed["groups"], raw, strict=True)):
+        if (n > 0 or not wd_changed) and mine != theirs:
+            return [f"{mode}: {n} step(s) after the resume the groups' (lr, wd) {mine} differ from raw "
+                    f"Megatron's {theirs}"]
+    return []
+
+
+# ---------------------------------------------------------------------------------------- config_overrides
+def observe_overrides(build: dict[str, Any], sched: dict[str, Any]) -> dict[str, Any]:
+    """The schedule property's observation with the drawn ``config_overrides`` (0.16+): also the one-time
+    warning about an unapplied ``decoupled_lr``, and the set of group settings (``max_lr``, ``min_lr``,
+    ``wd_mult``) as mcore_compat built them and as Megatron's own ``get_megatron_optimizer`` builds them from the
+    same config and overrides. Before 0.16: ``{"refused": (error type, message)}``."""
+    from mcore_compat import rank0, training
+    from mcore_compat.capabilities import fact
+
+    if fact("param_groups_style") != "v16":
+        try:
+            chunks, _ = _build(build)
+        except Exception as exc:
+            return {"before_16": (type(exc).__name__, str(exc))}
+        _release(chunks)
+        return {"before_16": (None, "built")}
+    for key in [k for k in rank0._WARNED if k[0].startswith("get_megatron_optimizer: decoupled_lr=")]:
+        rank0._WARNED.discard(key)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        observed = observe_schedule(build, sched)
+    observed["before_16"] = None
+    try:  # with default_skip_embedding_weight_decay too: refused in one line naming both
+        chunks, _ = _build({**build, "skip_embedding_wd": True})
+        _release(chunks)
+        observed["both"] = None
+    except Exception as exc:
+        observed["both"] = (type(exc).__name__, str(exc))
+    observed["warned"] = any(_all_ranks(any("decoupled_lr=" in str(w.message) for w in caught)))
+    settings = ("max_lr", "min_lr", "wd_mult")
+    chunks, optimizer = _build(build)
+    ours = sorted({tuple(g.get(k) for k in settings) for g in optimizer.param_groups}, key=repr)
+    _release(chunks)
+    from megatron.core.optimizer import get_megatron_optimizer as raw_builder
+
+    chunks, _ = _build({**build, "overrides": None})  # the same model: the optimizer Megatron builds for it
+    config = training.optimizer_config_of(training.OptimConfig(
+        optimizer="adam", lr=build["lr"], min_lr=build["min_lr"], decoupled_lr=build["decoupled_lr"],
+        decoupled_min_lr=build["decoupled_min_lr"], weight_decay=build["weight_decay"],
+        use_distributed_optimizer=bool(build["distopt"]), bf16=build["bf16"], params_dtype=_dtype(_precision(build))))
+    raw = raw_builder(config, chunks, config_overrides=_config_overrides(build["overrides"]))
+    theirs = sorted({tuple(g.get(k) for k in settings) for g in raw.param_groups}, key=repr)
+    _release(chunks)
+    observed["groups_built"] = [sorted({repr(x) for r in _all_ranks(ours) for x in r}),
+                                sorted({repr(x) for r in _all_ranks(theirs) for x in r})]
+    return observed
+
+
+def overrides_mismatches(build: dict[str, Any], sched: dict[str, Any], observed: dict[str, Any]) -> list[str]:
+    """Before 0.16 one ``UnsupportedVersionError`` line naming ``config_overrides``; from 0.16 the schedule
+    property's checks with the overrides' spec, Megatron's own builder's group settings, and the warning about
+    ``decoupled_lr`` exactly where no entry applies it."""
+    if observed["before_16"] is not None:
+        kind, message = observed["before_16"]
+        if kind != "UnsupportedVersionError" or "config_overrides" not in message or "\n" in message:
+            return [f"before 0.16: {kind}: {message[:200]!r}, not one UnsupportedVersionError line naming "
+                    f"config_overrides"]
+        return []
+    bad = schedule_mismatches(build, sched, observed) + raw_mismatches(observed)
+    both = observed["both"]
+    if both is None or both[0] != "InvalidArgumentError" or "\n" in both[1] or not all(
+            n in both[1] for n in ("config_overrides", "default_skip_embedding_weight_decay")):
+        bad.append(f"config_overrides with default_skip_embedding_weight_decay: {both}, not one "
+                   f"InvalidArgumentError line naming both")
+    ours, theirs = observed["groups_built"]
+    if ours != theirs:
+        bad.append(f"group settings (max_lr, min_lr, wd_mult) {ours}, Megatron's own builder gives {theirs}")
+    desc = build["overrides"]
+    unapplied = build["decoupled_lr"] is not None and not any(
+        (desc[k] or {}).get("max_lr") == build["decoupled_lr"] for k in ("fc", "embedding"))
+    if observed["warned"] != unapplied:
+        bad.append(f"decoupled_lr={build['decoupled_lr']} unapplied={unapplied}, warned={observed['warned']}")
+    return bad
+
+
+def _overrides_property(version: str) -> dict[str, Any]:
+    st, builds, schedules = _strategies()
+    lr = st.floats(1e-7, 1e-2).map(lambda x: float(f"{x:.3g}"))
+
+    def bounds(peak: Any) -> Any:
+        return st.one_of(st.none(), peak.flatmap(lambda mx: st.fixed_dictionaries(
+            {"max_lr": st.just(mx)}, optional={"min_lr": st.sampled_from([0.0, mx / 10, mx])})))
+
+    def draw(data: Any) -> dict[str, Any]:
+        build = dict(data.draw(builds, label="build"))
+        decoupled = st.just(build["decoupled_lr"]) if build["decoupled_lr"] is not None else lr
+        build.update(no_wd="default", scale=False, skip_embedding_wd=False, overrides={
+            "bias_wd_mult": data.draw(st.sampled_from([None, 0.0, 0.5]), label="*.bias wd_mult"),
+            "fc": data.draw(bounds(lr), label="*fc.* bounds"),
+            "embedding": data.draw(bounds(st.one_of(decoupled, lr)), label="embedding bounds")})
+        return {"build": build, "schedule": data.draw(schedules(build), label="schedule")}
+
+    def body(example: dict[str, Any]) -> list[str]:
+        observed = observe_overrides(example["build"], example["schedule"])
+        return overrides_mismatches(example["build"], example["schedule"], observed)
+
+    return _run_property("overrides", version, draw, body)
 
 
 # One change that makes a valid draw invalid: (the setting the one-line message must name, the changes as a
@@ -585,19 +984,20 @@ def reference_grads(params: dict[str, Any], step: int, world: int) -> dict[str, 
 
 
 def _main_state(optimizer: Any, chunks: list[Any]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Every parameter's fp32 main values and the gradient the optimizer will read, merged over the ranks (the
-    distributed optimizer's shards put together), read through mcore_compat's optimizer view (a reader: a bug in
-    it shows as a mismatch, it cannot hide a wrong update)."""
+    """Every parameter's fp32 main values and the gradient the optimizer will read (unscaled by fp16's loss
+    scale), merged over the ranks (the distributed optimizer's shards put together), read through mcore_compat's
+    optimizer view (a reader: a bug in it shows as a mismatch, it cannot hide a wrong update)."""
     from mcore_compat._optimizer_view import optimizer_view
 
     named = _named(chunks)
     view = optimizer_view(optimizer, {p: n for n, p in named.items()})
     assert view.unsupported is None, view.unsupported
+    scale = _loss_scale(optimizer)
     mine = []
     for mp in view:
         grad = mp.finalized_grad()
         mine.append((mp.name, mp.start, [float(x) for x in mp.main.detach().reshape(-1)],
-                     None if grad is None else [float(x) for x in grad.reshape(-1)]))
+                     None if grad is None else [float(x) / scale for x in grad.float().reshape(-1)]))
     values = {n: [math.nan] * p.numel() for n, p in named.items()}
     grads = {n: [math.nan] * p.numel() for n, p in named.items()}
     for part in _all_ranks(mine):
@@ -606,6 +1006,12 @@ def _main_state(optimizer: Any, chunks: list[Any]) -> tuple[dict[str, list[float
             values[name][offset:offset + len(main)] = main
             grads[name][offset:offset + len(main)] = grad if grad is not None else [0.0] * len(main)
     return values, grads
+
+
+def _loss_scale(optimizer: Any) -> float:
+    """The loss scale the optimizer's next step unscales by (1.0 without a scaler)."""
+    get = getattr(optimizer, "get_loss_scale", None)
+    return 1.0 if get is None else float(get())
 
 
 def _norm_rel_error(a: list[float], b: list[float]) -> float:
@@ -629,17 +1035,21 @@ def observe_update(build: dict[str, Any], steps: int) -> dict[str, Any]:
         return {"refused": str(exc)}
     named = _named(chunks)
     start, _ = _main_state(optimizer, chunks)
-    out: dict[str, Any] = {"refused": None, "start": start, "grads": [], "norms": [], "reference": []}
+    out: dict[str, Any] = {"refused": None, "start": start, "grads": [], "norms": [], "reference": [], "ok": [],
+                           "scales": []}
     for step in range(steps):
         training.finish_param_sync(chunks, optimizer)  # overlap_param_gather: the weights gathered before reading
         out["reference"].append(reference_grads(named, step, dist.get_world_size()))
         training.zero_grad_buffer(chunks, optimizer)
-        _loss(chunks[0](_tokens(dist.get_rank(), step))).backward()
+        loss = _loss(chunks[0](_tokens(dist.get_rank(), step)))
+        (optimizer.scale_loss(loss) if build.get("fp16") else loss).backward()  # what forward_backward does
         training.finalize_model_grads(chunks)
+        out["scales"].append(_loss_scale(optimizer))
         out["grads"].append(_main_state(optimizer, chunks)[1])
         ok, norm, _ = training.optimizer_step(optimizer)
-        assert ok, "the optimizer step was skipped"
+        out["ok"].append(bool(ok))
         out["norms"].append(None if norm is None else float(norm))
+    out["scales"].append(_loss_scale(optimizer))
     out["end"] = _main_state(optimizer, chunks)[0]
     out["shapes"] = {n: list(p.shape) for n, p in named.items()}
     _release(chunks)
@@ -661,6 +1071,50 @@ def build_hyper(build: dict[str, Any], shapes: dict[str, list[int]]) -> dict[str
     return hyper
 
 
+#: fp16's largest finite value: a scaled gradient above it is inf.
+FP16_MAX = 65504.0
+
+
+def scaler_mismatches(build: dict[str, Any], observed: dict[str, Any]) -> list[str]:
+    """Which steps were skipped and the loss scale of every step, against Megatron's loss scalers in plain Python
+    (``ConstantGradScaler`` for fp16's static ``loss_scale``, ``DynamicGradScaler`` otherwise: a step whose
+    gradients overflow is skipped; after ``hysteresis`` such steps the scale halves, never below
+    ``min_loss_scale``; after ``loss_scale_window`` good steps in a row it doubles). Without fp16 no step may be
+    skipped. Whether a step overflows is taken from the float64 replica: certain where its largest gradient times
+    the scale is above fp16's range, excluded where 64 times that is still inside it (the activations' gradients
+    are of the same order in this model); in between, the step's own outcome is used."""
+    if not build.get("fp16"):
+        skipped = [step for step, ok in enumerate(observed["ok"]) if not ok]
+        return [f"steps {skipped} were skipped without fp16"] if skipped else []
+    scaler = build.get("scaler", {})
+    static = scaler.get("loss_scale")
+    scale = float(static or scaler.get("initial_loss_scale", 2.0**32))
+    hysteresis, window = int(scaler.get("hysteresis", 2)), int(scaler.get("loss_scale_window", 1000))
+    floor = float(scaler.get("min_loss_scale", 1.0))
+    growth, tracker = 0, hysteresis
+    for step, (ok, ref) in enumerate(zip(observed["ok"], observed["reference"], strict=True)):
+        if observed["scales"][step] != scale:
+            return [f"step {step}: loss scale {observed['scales'][step]!r}, the scaler's rule gives {scale!r}"]
+        peak = max(abs(g) for gs in ref.values() for g in gs) * scale
+        if ok and peak > FP16_MAX:
+            return [f"step {step}: the scaled gradients reach {peak:.3g} (fp16 overflows) but it was not skipped"]
+        if not ok and 64 * peak < FP16_MAX:
+            return [f"step {step}: skipped, though the largest scaled gradient is {peak:.3g}"]
+        if static:
+            continue
+        if not ok:
+            growth, tracker = 0, tracker - 1
+            if tracker <= 0:
+                scale = max(scale * 0.5, floor)
+        else:
+            growth += 1
+            if growth == window:
+                growth, tracker, scale = 0, hysteresis, scale * 2.0
+    if observed["scales"][-1] != scale:
+        return [f"after the last step: loss scale {observed['scales'][-1]!r}, the scaler's rule gives {scale!r}"]
+    return []
+
+
 def update_mismatches(build: dict[str, Any], observed: dict[str, Any]) -> list[str]:
     """What ``observed`` (from :func:`observe_update`) gets wrong against the spec: each step's gradient against
     the float64 replica's (norm-wise, 1e-5 in fp32, 3e-2 in bf16), the reported grad norm against the gradients'
@@ -675,9 +1129,11 @@ def update_mismatches(build: dict[str, Any], observed: dict[str, Any]) -> list[s
         if build["decoupled_wd"] or "decoupled_weight_decay" in fields:
             return [f"refused settings the release supports: {observed['refused']}"]
         return []
-    bad = []
-    grad_tol = 3e-2 if build["bf16"] else 1e-5
-    for step, (got, want) in enumerate(zip(observed["grads"], observed["reference"], strict=True)):
+    bad = scaler_mismatches(build, observed)
+    grad_tol = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 1e-2}[_precision(build)]
+    taken = [step for step, ok in enumerate(observed["ok"]) if ok]  # the steps the optimizer did not skip
+    for step in taken:
+        got, want = observed["grads"][step], observed["reference"][step]
         for name in want:
             err = _norm_rel_error(got[name], want[name])
             if not err <= grad_tol:
@@ -689,14 +1145,15 @@ def update_mismatches(build: dict[str, Any], observed: dict[str, Any]) -> list[s
     hyper = build_hyper(build, observed["shapes"])
     adam = O.Adam(beta1=build["beta1"], beta2=build["beta2"], eps=build["eps"], decoupled=build["decoupled_wd"],
                   clip_grad=build["clip_grad"])
-    want_end = O.adam_steps(observed["start"], observed["grads"], [hyper] * len(observed["grads"]), adam)
+    grads = [observed["grads"][step] for step in taken]
+    want_end = O.adam_steps(observed["start"], grads, [hyper] * len(grads), adam)
     for name, values in observed["end"].items():
         lr = hyper[name][0]
         for i, (got_v, want_v, was) in enumerate(zip(values, want_end[name], observed["start"][name], strict=True)):
             # fp32 arithmetic: a few ulp of the value, and a relative 1e-4 of the steps taken
-            tol = 4 * 2.0 ** -23 * max(abs(want_v), abs(was)) + 1e-4 * lr * len(observed["grads"])
+            tol = 4 * 2.0 ** -23 * max(abs(want_v), abs(was)) + 1e-4 * lr * len(grads)
             if not abs(got_v - want_v) <= tol:
-                bad.append(f"{name}[{i}] after {len(observed['grads'])} step(s): {got_v!r}, Adam gives {want_v!r} "
+                bad.append(f"{name}[{i}] after {len(grads)} step(s): {got_v!r}, Adam gives {want_v!r} "
                            f"(from {was!r}, lr {lr!r}, wd {hyper[name][1]!r})")
                 break
     return bad
@@ -704,18 +1161,28 @@ def update_mismatches(build: dict[str, Any], observed: dict[str, Any]) -> list[s
 
 def _update_property(version: str) -> dict[str, Any]:
     st, builds, _ = _strategies()
+    # fp16's loss scaler: static (a scale that never overflows here, or one that always does), or dynamic from a
+    # scale that overflows (Megatron's default 2**32), one in between, or one that never does
+    scalers = st.one_of(
+        st.fixed_dictionaries({"loss_scale": st.sampled_from([1.0, 1024.0, 2.0**32])}),
+        st.sampled_from([2.0**32, 2.0**16, 16.0]).flatmap(lambda initial: st.fixed_dictionaries({
+            "initial_loss_scale": st.just(initial), "min_loss_scale": st.sampled_from([1.0, initial / 4]),
+            "loss_scale_window": st.sampled_from([1, 2, 1000]), "hysteresis": st.sampled_from([1, 2])})))
 
     def draw(data: Any) -> dict[str, Any]:
         build = dict(data.draw(builds, label="build"))
         build["decoupled_wd"] = data.draw(st.booleans(), label="decoupled weight decay")
+        if data.draw(st.integers(0, 2), label="fp16 (in one of three)") == 0:
+            build.update(bf16=False, fp16=True, scaler=data.draw(scalers, label="loss scaler"))
         build["ddp"] = {
             "bucket_size": data.draw(st.sampled_from([None, 40, 200]), label="bucket_size"),
             "overlap_grad_reduce": data.draw(st.booleans(), label="overlap_grad_reduce"),
-            "grad_reduce_in_fp32": data.draw(st.booleans(), label="grad_reduce_in_fp32") if build["bf16"] else False,
+            "grad_reduce_in_fp32": data.draw(st.booleans(), label="grad_reduce_in_fp32")
+            if _precision(build) != "fp32" else False,
             "average_in_collective": data.draw(st.booleans(), label="average_in_collective"),
             "overlap_param_gather": data.draw(st.booleans(), label="overlap_param_gather") if build["distopt"]
             else False}
-        return {"build": build, "steps": data.draw(st.integers(1, 3), label="steps")}
+        return {"build": build, "steps": data.draw(st.integers(1, 4 if build.get("fp16") else 3), label="steps")}
 
     def body(example: dict[str, Any]) -> list[str]:
         return update_mismatches(example["build"], observe_update(example["build"], example["steps"]))
@@ -876,8 +1343,34 @@ def _on_release(cases: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
         symbols.resolve("parallel_state").destroy_model_parallel()
 
 
+#: Properties kept in modules of their own, by name: each module has ``EXAMPLES`` (per session), ``draw(data)``
+#: (an example from Hypothesis's ``data``, on rank 0; picklable) and ``body(example) -> list[str]`` (run on every
+#: rank with TP = PP = 1 initialized, which it leaves so; the mismatches, the same on every rank), and may have
+#: ``committed() -> list[example]`` (regression cases replayed first).
+MODULE_PROPERTIES = {"builders": "_generated_builders", "schedules": "_generated_pipeline"}
+#: Every property's name, in the order a session runs them.
+PROPERTIES = ("committed", "schedule", "resume", "overrides", "invalid", "update", *MODULE_PROPERTIES)
+
+
+def _module_property(name: str, version: str) -> dict[str, Any]:
+    """The module's committed examples (``committed()``, where it has one: the same list on every rank), then
+    the drawn ones."""
+    module = importlib.import_module(MODULE_PROPERTIES[name])
+    cases = module.committed() if hasattr(module, "committed") else []
+    for case in cases:
+        try:
+            bad = module.body(case)
+        except Exception as exc:
+            bad = [f"raised {type(exc).__name__}: {exc}"[:2000]]
+        if bad:
+            return {"status": "fail", "examples": len(cases), "failure": f"committed case {case}: " + "; ".join(bad[:4])}
+    result = _run_property(name, version, module.draw, module.body)
+    return {**result, "examples": result["examples"] + len(cases)}
+
+
 def run_all() -> dict[str, Any]:
     """Every property on this rank: ``{"version", "cases": {name: result}}``."""
+    own = {"committed": _committed_property, "schedule": _schedule_property, "resume": _resume_property,
+           "overrides": _overrides_property, "invalid": _invalid_property, "update": _update_property}
     return _on_release(lambda version: {
-        "committed": _committed_property(version), "schedule": _schedule_property(version),
-        "invalid": _invalid_property(version), "update": _update_property(version)})
+        name: own[name](version) if name in own else _module_property(name, version) for name in PROPERTIES})

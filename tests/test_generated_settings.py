@@ -37,7 +37,7 @@ def _score(results: dict[str, Any]) -> dict[str, Any]:
             "failed": sorted(k for k, v in props.items() if v["status"] != "pass")}
 
 
-@pytest.mark.parametrize("prop", ["committed", "schedule", "invalid", "update"])
+@pytest.mark.parametrize("prop", S.PROPERTIES)
 def test_property_holds(results: dict[str, Any], prop: str) -> None:
     case = results["cases"][prop]
     assert case["status"] == "pass", f"megatron-core {results['version']}: {prop}:\n{case['failure']}"
