@@ -36,8 +36,8 @@ installed release has (its real classes and constructor), the nearest-default ru
 ``packaging``), where a value lands and what it becomes (Megatron's own class on the same keywords), errors,
 messages and warnings.
 
-Not drawn: ``accumulate_allreduce_grads_in_fp32`` and ``grad_reduce_in_fp32`` with different values (ddp_config
-takes ``grad_reduce_in_fp32``'s silently, on every release: a known defect, reported), fields without a literal
+Drawn since ``ddp_config`` refuses it: ``accumulate_allreduce_grads_in_fp32`` and ``grad_reduce_in_fp32`` with
+different values (it took ``grad_reduce_in_fp32``'s silently before, on every release). Not drawn: fields without a literal
 default (dtypes), non-default values of fields defaulting to None or a str outside :data:`PICKED`
 (callables, dtypes, names), tuple-valued fields, and private (``_``) fields.
 
@@ -267,10 +267,11 @@ def draw(data: Any) -> dict[str, Any]:
 
 
 def _conflict_pairs(cls: str) -> list[tuple[str, str]]:
-    """The table's renames whose values can differ (the DDP alias is left out: the known defect above)."""
+    """The table's renames and :data:`ALIASES` whose values can differ."""
     from mcore_compat._config_fields import RENAMES
 
-    return [(old, new) for old, new in RENAMES.get(cls, ()) if sum(map(len, _options(cls, new))) >= 2]
+    return [(old, new) for old, new in (*RENAMES.get(cls, ()), *ALIASES.get(cls, ()))
+            if sum(map(len, _options(cls, new))) >= 2]
 
 
 # ------------------------------------------------------------------------------------------------------ oracle

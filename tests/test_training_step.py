@@ -25,7 +25,7 @@ from conftest import case_results, run_scenarios
 from packaging.version import Version
 
 from mcore_compat._ranges import in_range
-from mcore_compat.errors import UnsupportedVersionError
+from mcore_compat.errors import InvalidArgumentError, UnsupportedVersionError
 from mcore_compat.training.ddp import DDPConfig, ddp_config_of
 from mcore_compat.training.optimizer import OptimConfig
 
@@ -75,6 +75,16 @@ def test_configs_accept_mappings_and_foreign_dataclasses() -> None:
     cfg = OptimConfig.from_any({"lr": 1e-3, "bf16": True, "muon_momentum": 0.9})
     assert (cfg.lr, cfg.bf16, cfg.extra) == (1e-3, True, {"muon_momentum": 0.9})
     assert DDPConfig.from_any(DDPConfig(overlap_grad_reduce=True)).overlap_grad_reduce
+
+
+@pytest.mark.unit
+def test_ddp_config_refuses_both_names_of_grad_reduce_in_fp32_with_different_values() -> None:
+    assert DDPConfig.from_any({"accumulate_allreduce_grads_in_fp32": True}).grad_reduce_in_fp32
+    assert DDPConfig.from_any({"accumulate_allreduce_grads_in_fp32": True, "grad_reduce_in_fp32": True}) \
+        .grad_reduce_in_fp32
+    with pytest.raises(InvalidArgumentError, match="accumulate_allreduce_grads_in_fp32=True and "
+                                                   "grad_reduce_in_fp32=False"):
+        DDPConfig.from_any({"accumulate_allreduce_grads_in_fp32": True, "grad_reduce_in_fp32": False})
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -101,7 +101,12 @@ class DDPConfig:
                                               "DistributedDataParallelConfig")
         for old_name, new_name in _FIELD_ALIASES.items():  # the 0.4-0.6 constructor's keyword names
             if old_name in items:
-                items.setdefault(new_name, items.pop(old_name))
+                old_value = items.pop(old_name)
+                if new_name in items and items[new_name] != old_value:
+                    raise InvalidArgumentError(
+                        f"ddp_config: {old_name}={old_value!r} and {new_name}={items[new_name]!r} name one setting "
+                        f"({old_name} is the 0.4-0.6 name of {new_name}); pass one of them")
+                items.setdefault(new_name, old_value)
         own = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in items.items() if k in own}
         extra = dict(items.pop("extra", {}) or {})
