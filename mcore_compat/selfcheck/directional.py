@@ -3,52 +3,55 @@
 :class:`~.reference.PlainReference` (``grads_match_reference``) runs the caller's own layer code, so a fault inside
 a layer's hand-written backward (a weight gradient with rows zeroed, a deferred weight gradient that never runs,
 a tensor-parallel mapping's backward that leaves out its reduction) acts on it alike. This check does not trust
-any backward code: it compares the finalized gradient ``g`` of the step (DDP's ``main_grad`` after
-``finalize_model_grads``, divided by the loss scale, before the optimizer reads it) with the loss's directional
-derivative measured from the forward alone, the method of ``torch.autograd.gradcheck``:
+any backward code. It has two parts, both along seeded random directions:
 
-* a float64 copy of the caller's modules (:func:`float64_copy`: the same layer code, parameters cast exactly from
-  the model's current values, the config's ``params_dtype`` float64 and no bf16/fp16 casts, ``Tensor.float()``
-  of a float64 tensor left in float64 while it runs) computes the whole step's loss ``L`` (every micro-batch, each
-  forward replaying the random state the real forward of the same micro-batch drew from (:mod:`.rng_replay`), the
-  DP mean, or the per-token sum over all tokens);
-* per parameter block (one model parameter) a seeded Gaussian direction ``v_b`` (i.i.d. N(0,1) elements; one
-  stream per TP shard of a partitioned parameter, the same on every rank for a replicated one); :data:`DIRECTIONS`
-  directions ``v`` = all blocks' ``v_b`` together;
-* ``D(h) = (L(θ+hv) - L(θ-hv)) / 2h`` with ``h = η·|θ|/|v|`` (:data:`ETA`), and ``D(2h)`` the same way: four
-  float64 forwards of the step per direction, plus one at ``θ``.
+1. **the backward code against the forward, in float64.** A float64 copy of the caller's modules
+   (:func:`float64_copy`: the same layer code, parameters cast exactly from the model's current values, the
+   config's ``params_dtype`` float64 and no bf16/fp16 casts, ``Tensor.float()`` of a float64 tensor left in
+   float64 while it runs) computes the whole step's loss ``L`` (every micro-batch, each forward replaying the
+   random state the real forward of the same micro-batch drew from (:mod:`.rng_replay`), the DP mean, or the
+   per-token sum over all tokens) and, by its own backward code (the same hand-written backward functions the
+   model runs), its gradient ``g64``. ``<g64, v>`` is compared with ``D(h) = (L(θ+hv) - L(θ-hv)) / 2h`` (``h =
+   η·|θ|/|v|``, :data:`ETA`): ``|<g64, v> - D(h)| <= |D(h) - D(2h)| + 2·ε_L/h + k·G64_RHO·|g|``.
+   ``|D(h) - D(2h)|`` is 3x the estimate of the central difference's truncation error ``c·h²``; ``2·ε_L/h`` the
+   rounding (``ε_L = 2^10·u·|L|``, ``u`` the unit roundoff of the loss's dtype: ``2^-53``, or ``2^-24`` where the
+   caller's loss function rounds to float32 in a way the copy cannot keep in float64); :data:`G64_RHO` the float64
+   gradient's own rounding. Both sides are float64, so this resolves a change of the backward's result of about
+   ``1e-5``-``1e-4`` of ``|g|`` (the fixtures below), whatever the model's dtype: a fault in the backward code
+   acts on the copy as it does on the model, and the forward shows it.
+2. **the step's gradient against the float64 copy's.** The finalized gradient ``g`` of the step (DDP's
+   ``main_grad`` after ``finalize_model_grads``, divided by the loss scale, before the optimizer reads it) against
+   ``g64`` weighted as the step weighs it: ``|<g, v> - <g64, v>| <= k·rho·|g|`` (:data:`RHO`: the model dtype's
+   relative gradient error, calibrated on clean runs; ``<e, v>`` is N(0, |e|²) for an error ``e`` drawn
+   independently of ``v``, so at ``k`` = :data:`K_SIGMA` a correct run fails with probability ~2e-9). This catches
+   what acts on the model only (its reduction over ranks, its dtype's path, a forward that reads something else),
+   at the model dtype's resolution (``6·rho``: 0.12 of ``|g|`` in bf16, 1.2e-4 in fp32).
 
-The comparison ``|<g, v> - D(h)| <= bound`` with ``bound = |D(h) - D(2h)| + 2·ε_L/h + k·rho·|g|``:
-
-* ``|D(h) - D(2h)|``: the truncation error of the central difference is ``c·h²`` (``D(2h)`` has ``4c·h²``), so
-  this is 3x its estimate;
-* ``2·ε_L/h``: rounding; ``ε_L = 2^10·u·|L|`` the error of one evaluation of ``L`` (``u`` the unit roundoff of
-  the dtype the loss comes out in: ``2^-53`` in float64, ``2^-24`` if the caller's loss function rounds to
-  float32 in a way the copy cannot keep in float64), entering twice (``L(θ+hv)``, ``L(θ-hv)``) over ``2h``, and
-  again for ``D(2h)``;
-* ``k·rho·|g|``: ``g`` is the gradient of the model in its own dtype, not of the float64 copy; its error ``e``
-  satisfies ``|e| <= rho·|g|`` (:data:`RHO`: the relative gradient error of the model dtype, calibrated on clean
-  runs like :mod:`.independent`'s tolerance) and, ``v`` being drawn independently of it, ``<e, v>`` is
-  N(0, |e|²): at ``k`` = :data:`K_SIGMA` standard deviations a correct run fails with probability ~2e-9.
-
-A fault that changes the gradient by ``f`` shows as ``<f, v>`` (N(0, |f|²)): the report states
-``bound / |g|``, the relative change of the gradient above which a typical direction sees it. Where the whole
-fails, the failing direction is bisected over the parameter blocks (the direction restricted to each half, its
-bound recomputed for the half) down to single parameters, which the failure names; ``D = 0`` within the bound
-with ``<g, v> != 0`` is a forward that does not read the parameter at all (a stale or cached weight).
+Directions: per parameter block (one model parameter) a seeded Gaussian ``v_b`` (i.i.d. N(0,1) elements; one
+stream per TP shard of a partitioned parameter, the same on every rank for a replicated one); :data:`DIRECTIONS`
+directions ``v`` = all blocks' ``v_b`` together. A fault that changes a gradient by ``f`` shows as ``<f, v>``
+(N(0, |f|²)): the report states each part's ``bound / |g|``, the relative change above which a typical direction
+sees it. Where a part fails, the failing direction is bisected over the parameter blocks down to single
+parameters, which the failure names (part 1 with four float64 forwards per node, part 2 from the sums alone);
+``D = 0`` within the bound with ``<g64, v> != 0`` is a forward that does not read the parameter at all.
 
 ``loss_matches_float64``: each micro-batch's loss of the real step equals the float64 copy's at the current
 parameters within :data:`LOSS_RHO` (relative, per dtype): a forward that computes with something other than
 the current parameter (a weight cache not refreshed after a step) is caught even where its gradient is right.
+
+Shared with the code under test: the caller's layer code (forward and backward), in float64. A fault whose effect
+is the same in the forward and the backward (a wrong formula the backward differentiates correctly) is not a
+gradient fault and is not seen; one that acts in float64 differently from bf16 is seen by part 2 only.
 
 Not applicable (each with its reason, never a PASS): pipeline parallelism or virtual stages, MoE experts,
 context parallelism, TransformerEngine layers (no float64 kernels), dropout whose masks the float64 copy does not
 draw as the model's dtype does (probed on the device), an optimizer whose main params cannot be read.
 
 Cost (this is why it is an option, ``check_training_step(..., finite_differences=True)``, recommended once per
-run): the float64 copy of this rank's params (8 bytes per element: 4x the param bytes of a bf16 model) and
-``1 + 4·DIRECTIONS`` float64 forwards of the step's micro-batches (float64 runs at a fraction of bf16's speed on
-an accelerator), plus four per bisection node on a failure.
+run): the float64 copy of this rank's params and their gradients (16 bytes per element: 8x the param bytes of a
+bf16 model), one float64 forward and backward of the step's micro-batches and ``1 + 4·DIRECTIONS`` float64
+forwards (float64 runs at a fraction of bf16's speed on an accelerator), plus four forwards per bisection node of
+a part-1 failure.
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ from typing import Any, NamedTuple
 
 from .report import Check
 
-__all__ = ["CALIBRATION", "DIRECTIONS", "ETA", "K_SIGMA", "LOSS_RHO", "RHO", "FiniteDifferences", "float64_copy"]
+__all__ = ["CALIBRATION", "DIRECTIONS", "ETA", "G64_RHO", "K_SIGMA", "LOSS_RHO", "RHO", "FiniteDifferences",
+           "float64_copy"]
 
 #: seeded random directions through all parameter blocks
 DIRECTIONS = 2
@@ -78,10 +82,13 @@ RHO = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 5e-3}
 #: :data:`CALIBRATION`'s)
 LOSS_RHO = {"float32": 2e-7, "bfloat16": 4e-4, "float16": 1e-4}
 #: the worst clean ``(|<g, v> - D| / |g|, relative loss error)`` per dtype when :data:`RHO` and :data:`LOSS_RHO`
-#: were set: the user-model fixtures of tests/_own_model_scenarios.py (``fd_step``: DP=2 with the distributed
+#: were set (``|<g, v> - <g64, v>| / |g|`` since part 2 compares with the float64 copy's gradient: at most 1.1e-2
+#: bf16, 1.9e-7 fp32 on 0.16.1): the user-model fixtures of tests/_own_model_scenarios.py (``fd_step``: DP=2 with the distributed
 #: optimizer, TP=2, TP=2 with sequence parallelism; dropout 0.1; after one warm-up step) on 0.4.0, 0.8.0, 0.12.3,
 #: 0.16.1 and 0.19.2
 CALIBRATION = {"float32": (1.1e-5, 2.3e-8), "bfloat16": (1.2e-2, 4.1e-5)}
+#: the float64 copy's gradient's relative rounding error allowed for, next to the finite difference's bound
+G64_RHO = 2.0**-30
 #: evaluations of ``L`` spent on bisecting a failure at most (four per node)
 MAX_BISECT_NODES = 16
 #: roundings of the loss's dtype one evaluation of ``L`` is taken to err by
@@ -188,23 +195,43 @@ def _dropout_reproducible(device: Any, dtype: Any) -> bool:
 
 # ------------------------------------------------------------------------------------------------ the check
 class _Eval(NamedTuple):
-    """One direction restricted to a set of blocks: ``<g, v>``, ``D(h)``, the bound, its finite-difference part
-    and ``|g|`` of the set (every rank the same: global sums)."""
+    """One direction restricted to a set of blocks (every rank the same: global sums): ``<g, v>`` of the model's
+    finalized gradient, ``<g64, v>`` of the float64 copy's, ``D(h)`` (``nan`` where not evaluated), the bound of
+    ``|<g64, v> - D|`` (its finite-difference part and the float64 rounding of ``g64``), the bound of
+    ``|<g, v> - <g64, v>|`` (the model dtype's gradient error) and ``|g|`` of the set."""
 
     gv: float
+    g64v: float
     d: float
-    bound: float
     fd_bound: float
+    bound64: float
+    dtype_bound: float
     gnorm: float
 
+    def backward_fails(self) -> bool:
+        """The float64 copy's gradient disagrees with its own forward (the backward code)."""
+        return not math.isnan(self.d) and abs(self.g64v - self.d) > self.bound64
+
+    def dtype_fails(self) -> bool:
+        """The model's gradient disagrees with the float64 copy's beyond the model dtype's error."""
+        return abs(self.gv - self.g64v) > self.dtype_bound
+
     def fails(self) -> bool:
-        return abs(self.gv - self.d) > self.bound
+        return self.backward_fails() or self.dtype_fails()
 
     def why(self) -> str:
-        if abs(self.d) <= self.fd_bound:
-            return f"the forward does not read it: directional derivative 0 within {self.fd_bound:.2g}, <g, v> " \
-                   f"{self.gv:.4g}"
-        return f"<g, v> {self.gv:.4g} vs D {self.d:.4g}, bound {self.bound:.2g}"
+        parts = []
+        if self.backward_fails():
+            if abs(self.d) <= self.fd_bound:
+                parts.append(f"the forward does not read it: directional derivative 0 within {self.fd_bound:.2g}, "
+                             f"the backward's <g64, v> {self.g64v:.4g}")
+            else:
+                parts.append(f"the backward's <g64, v> {self.g64v:.4g} vs the forward's D {self.d:.4g}, bound "
+                             f"{self.bound64:.2g}")
+        if self.dtype_fails():
+            parts.append(f"the step's <g, v> {self.gv:.4g} vs the float64 copy's {self.g64v:.4g}, bound "
+                         f"{self.dtype_bound:.2g}")
+        return "; ".join(parts)
 
 
 @dataclass
@@ -307,11 +334,13 @@ class FiniteDifferences:
         del torch
 
     def _direction(self, block: _Block, k: int) -> Any:
+        """``v_b^k``, drawn on the param's device (a generator there: a CPU draw of every block, four times per
+        evaluation, cost seconds per evaluation on a 0.2B-param model; ranks of one device type draw the same)."""
         import torch
 
-        gen = torch.Generator(device="cpu").manual_seed(_seed(block.seed_key, k))
-        v = torch.randn(block.param.shape, generator=gen, dtype=torch.float64)
-        return v.to(block.param.device)
+        device = block.param.device
+        gen = torch.Generator(device=device).manual_seed(_seed(block.seed_key, k))
+        return torch.randn(block.param.shape, generator=gen, dtype=torch.float64, device=device)
 
     # -------------------------------------------------------------------------------------------- evaluations
     def _set(self, subset: Sequence[int], k: int, step: float) -> None:
@@ -399,10 +428,53 @@ class FiniteDifferences:
             self.copy = None
             self.blocks = []
 
-    def _stats(self, loss_scale: float) -> tuple[list[list[float]], list[float], list[float]]:
-        """Per block (summed over the ranks): ``<g_b, v_b^k>`` for every direction, ``|g_b|²``, ``|θ_b|²``;
-        and per direction ``|v^k|²`` (collective)."""
+    def _copy_grads(self, forward_step_func: Callable[..., Any], batches: Sequence[Any], num_microbatches: int,
+                    rng: Any) -> float:
+        """The float64 copy's gradient of this rank's part of the step's loss at the current params, by its own
+        backward code (each block's ``copy.grad``; the micro-batches as the schedule weighs them, the random state
+        replayed); returns this rank's token count (per-token loss) or 0 (collective through the copy's TP
+        communication)."""
         import torch
+
+        from .reference import _set_input_tensor
+
+        self.evaluations += 1
+        self._set([], 0, 0.0)
+        params = [b.copy for b in self.blocks]
+        for q in params:
+            q.grad = None
+            q.requires_grad_(True)
+        tokens = 0.0
+        try:
+            with torch.enable_grad():
+                it = iter(batches)
+                for mb in range(num_microbatches):
+                    _set_input_tensor(self.copy, None)
+                    if rng is not None:
+                        rng.replay(0, mb)
+                    output, loss_func = forward_step_func(it, self.copy)
+                    result = loss_func(output)
+                    loss = result[0]
+                    if len(result) == 3:
+                        tokens += float(torch.as_tensor(result[1]).double().sum())
+                    else:
+                        loss = loss / num_microbatches
+                    loss.double().backward()
+        finally:
+            for q in params:
+                q.requires_grad_(False)
+        return tokens
+
+    def _stats(self, loss_scale: float, kappa: float) -> tuple[list[list[float]], list[list[float]], list[float],
+                                                                 list[float], list[list[float]]]:
+        """Per block (summed over the ranks): ``<g_b, v_b^k>`` and ``<g64_b, v_b^k>`` for every direction,
+        ``|g_b|²``, ``|θ_b|²`` and ``|v_b^k|²`` (collective). ``g64`` is the float64 copy's gradient (``copy.grad``
+        of this rank's loss): a TP-partitioned param's or a sequence-parallel one's (whose TP ranks each hold a
+        partial gradient) counts once per rank, a replicated one's once per TP group; times ``kappa`` (the step's
+        loss from this rank's: ``1/DP``, or ``1/tokens`` of a per-token loss)."""
+        import torch
+
+        from ..binding.placement import tp_attrs
 
         local: list[float] = []
         for b in self.blocks:
@@ -418,27 +490,42 @@ class FiniteDifferences:
                 for k, v in enumerate(vs):
                     gv[k] += w * float(torch.dot(gd, mp.model_part(v)))
                 gg += w * float(torch.dot(gd, gd))
+            g64 = b.copy.grad
+            whole = bool(tp_attrs(b.param)[0]) or bool(getattr(b.param, "sequence_parallel", False))
+            m = kappa * (1.0 if whole else 1.0 / self.groups.tp)
+            g64v = [0.0 if g64 is None else m * float(torch.dot(g64.reshape(-1), v.reshape(-1))) for v in vs]
             theta = b.param.detach().double()
             local.extend(gv)
+            local.extend(g64v)
             local.append(gg)
             local.append(float((theta * theta).sum()) * b.weight)
             local.extend(float((v * v).sum()) * b.weight for v in vs)
             del vs
         flat = self._reduce(local)
-        per = 2 + 2 * DIRECTIONS
-        gv_all = [flat[i * per:i * per + DIRECTIONS] for i in range(len(self.blocks))]
-        gg_all = [flat[i * per + DIRECTIONS] for i in range(len(self.blocks))]
-        tt_all = [flat[i * per + DIRECTIONS + 1] for i in range(len(self.blocks))]
-        vv = [[flat[i * per + DIRECTIONS + 2 + k] for k in range(DIRECTIONS)] for i in range(len(self.blocks))]
-        return gv_all, gg_all, tt_all + [x for row in vv for x in row]
+        per = 2 + 3 * DIRECTIONS
+        rows = [flat[i * per:(i + 1) * per] for i in range(len(self.blocks))]
+        gv_all = [r[:DIRECTIONS] for r in rows]
+        g64v_all = [r[DIRECTIONS:2 * DIRECTIONS] for r in rows]
+        gg_all = [r[2 * DIRECTIONS] for r in rows]
+        tt_all = [r[2 * DIRECTIONS + 1] for r in rows]
+        vv = [r[2 * DIRECTIONS + 2:] for r in rows]
+        return gv_all, g64v_all, gg_all, tt_all, vv
 
     def _run(self, forward_step_func: Callable[..., Any], batches: list[Any], num_microbatches: int,
              model_losses: Sequence[Any], loss_scale: float, rng: Any) -> list[Check]:
         from .verify import _loss_value
 
+        g = self.groups
         nb = len(self.blocks)
-        gv, gg, rest = self._stats(loss_scale)
-        tt, vv = rest[:nb], [rest[nb + i * DIRECTIONS:nb + (i + 1) * DIRECTIONS] for i in range(nb)]
+        tokens = self._copy_grads(forward_step_func, batches, num_microbatches, rng)
+        if self.per_token_loss:
+            total = self._reduce([tokens])[0] / g.tp  # every TP rank of a group counts its group's tokens
+            kappa = 1.0 / total if total > 0 else 0.0
+        else:
+            kappa = 1.0 / g.dp_size
+        gv, g64v, gg, tt, vv = self._stats(loss_scale, kappa)
+        for b in self.blocks:
+            b.copy.grad = None
         dtype = _dtype_name(self.blocks[0].param.dtype) if self.blocks else "float32"
         rho = RHO.get(dtype, RHO["bfloat16"])
 
@@ -448,8 +535,18 @@ class FiniteDifferences:
         self._loss(forward_step_func, batches, num_microbatches, rng, per_mb)
         loss_check = self._loss_check(per_mb, [_loss_value(d) for d in model_losses], dtype)
 
+        def sums(subset: list[int], k: int) -> tuple[float, float, float]:
+            gnorm = math.sqrt(sum(gg[i] for i in subset))
+            return sum(gv[i][k] for i in subset), sum(g64v[i][k] for i in subset), gnorm
+
+        def compare(subset: list[int], k: int) -> _Eval:
+            """The model's gradient against the float64 copy's along direction ``k`` on ``subset`` (no forward)."""
+            a, b64, gnorm = sums(subset, k)
+            return _Eval(a, b64, math.nan, 0.0, math.inf, K_SIGMA * rho * gnorm, gnorm)
+
         def evaluate(subset: list[int], k: int) -> _Eval:
-            """Direction ``k`` restricted to ``subset`` (collective)."""
+            """Direction ``k`` restricted to ``subset``: also the float64 copy's gradient against the central
+            difference of its loss (collective: four float64 forwards)."""
             theta = math.sqrt(sum(tt[i] for i in subset))
             vnorm = math.sqrt(sum(vv[i][k] for i in subset))
             h = ETA * max(theta, 1e-30) / max(vnorm, 1e-30)
@@ -457,8 +554,8 @@ class FiniteDifferences:
             dtypes = []
             for step in (h, -h, 2 * h, -2 * h):
                 self._set(subset, k, step)
-                s, n, dt = self._loss(forward_step_func, batches, num_microbatches, rng)
-                pairs.append((s, n))
+                s_, n, dt = self._loss(forward_step_func, batches, num_microbatches, rng)
+                pairs.append((s_, n))
                 dtypes.append(dt)
             lp, lm, l2p, l2m = self._global_loss(pairs)
             d1 = (lp - lm) / (2 * h)
@@ -466,34 +563,40 @@ class FiniteDifferences:
             u = 2.0**-53 if all(d == "float64" for d in dtypes) else 2.0**-24
             eps = _ROUNDINGS * u * max(abs(lp), abs(lm), abs(l2p), abs(l2m))
             fd_bound = abs(d1 - d2) + 2 * eps / h
-            gnorm = math.sqrt(sum(gg[i] for i in subset))
-            bound = fd_bound + K_SIGMA * rho * gnorm
-            return _Eval(sum(gv[i][k] for i in subset), d1, bound, fd_bound, gnorm)
+            a, b64, gnorm = sums(subset, k)
+            return _Eval(a, b64, d1, fd_bound, fd_bound + K_SIGMA * G64_RHO * gnorm, K_SIGMA * rho * gnorm, gnorm)
 
         everything = list(range(nb))
         results = [evaluate(everything, k) for k in range(DIRECTIONS)]
         self._set([], 0, 0.0)
-        worst = max((abs(r.gv - r.d) / r.bound if r.bound > 0 else 0.0) for r in results)
-        failing = [k for k, r in enumerate(results) if r.fails()]
+        worst64 = max((abs(r.g64v - r.d) / r.bound64 if r.bound64 > 0 else 0.0) for r in results)
+        worst = max((abs(r.gv - r.g64v) / r.dtype_bound if r.dtype_bound > 0 else 0.0) for r in results)
         gnorm = results[0].gnorm
-        resolution = max(r.bound for r in results) / gnorm if gnorm > 0 else float("inf")
-        head = (f"{DIRECTIONS} seeded directions through {nb} parameter blocks: <g, v> of the finalized gradient vs "
-                f"the central difference of the float64 copy's loss (D(h) vs D(2h), h*|v| = {ETA:.3g}*|params|); "
-                f"bound |D(h)-D(2h)| + 2*eps_L/h + {K_SIGMA:g}*rho*|g| with rho {rho:g} ({dtype} gradients)")
-        rel = max(abs(r.gv - r.d) for r in results) / gnorm if gnorm > 0 else 0.0
+        rel64 = max(abs(r.g64v - r.d) for r in results) / gnorm if gnorm > 0 else 0.0
+        rel = max(abs(r.gv - r.g64v) for r in results) / gnorm if gnorm > 0 else 0.0
+        resolution64 = max(r.bound64 for r in results) / gnorm if gnorm > 0 else float("inf")
+        resolution = max(r.dtype_bound for r in results) / gnorm if gnorm > 0 else float("inf")
+        facts = {"worst": max(worst, worst64), "worst_backward": worst64, "worst_dtype": worst, "relative": rel,
+                 "relative_backward": rel64, "resolution": resolution, "resolution_backward": resolution64,
+                 "evaluations": self.evaluations}
+        head = (f"{DIRECTIONS} seeded directions through {nb} parameter blocks: (1) the float64 copy's gradient by "
+                f"its backward code vs the central difference of its loss (D(h) vs D(2h), h*|v| = {ETA:.3g}*|params|;"
+                f" bound |D(h)-D(2h)| + 2*eps_L/h + {K_SIGMA:g}*{G64_RHO:g}*|g|): worst {worst64:.3g} of the bound "
+                f"(|<g64,v> - D| = {rel64:.2g} of |g|, resolution {resolution64:.2g}); (2) the step's finalized "
+                f"gradient vs the float64 copy's (bound {K_SIGMA:g}*rho*|g|, rho {rho:g} for {dtype} gradients): "
+                f"worst {worst:.3g} of the bound (|<g,v> - <g64,v>| = {rel:.2g} of |g|, resolution {resolution:.2g})")
+        failing = [k for k, r in enumerate(results) if r.fails()]
         if not failing:
-            detail = (f"{head}; worst {worst:.3g} of the bound (|<g,v> - D| = {rel:.2g} of |g|); resolution: a change of the gradient by more than "
-                      f"{resolution:.2g} of its norm is seen (a typical direction); {self.evaluations} float64 "
-                      f"evaluations of the step")
-            return [Check(_NAME, True, detail, {"worst": worst, "relative": rel, "resolution": resolution,
-                                                "evaluations": self.evaluations}), loss_check]
+            detail = f"{head}; {self.evaluations} float64 evaluations of the step"
+            return [Check(_NAME, True, detail, facts), loss_check]
         k = failing[0]
-        named = self._bisect(evaluate, everything, k)
         r = results[k]
+        named = self._bisect(evaluate if r.backward_fails() else compare, everything, k)
         text = "; ".join(named[:6]) + (f"; and {len(named) - 6} more" if len(named) > 6 else "")
-        detail = (f"direction {k}: <g, v> {r.gv:.6g} vs D {r.d:.6g} (bound {r.bound:.3g}); the gradient disagrees "
-                  f"with the forward on: {text}")
-        return [Check(_NAME, False, detail, {"worst": worst, "params": named}), loss_check]
+        what = ("the backward disagrees with the forward" if r.backward_fails()
+                else "the step's gradient disagrees with the float64 copy's")
+        detail = f"direction {k}: {r.why()}; {what} on: {text}"
+        return [Check(_NAME, False, detail, {**facts, "params": named}), loss_check]
 
     def _bisect(self, evaluate: Callable[[list[int], int], _Eval], subset: list[int], k: int) -> list[str]:
         """The blocks of ``subset`` whose gradient disagrees with the forward along direction ``k``: each half
@@ -564,6 +667,6 @@ def _has_dropout(chunk: Any) -> bool:
 
 def not_requested() -> list[Check]:
     """Both checks not applicable: not asked for."""
-    why = ("off: finite_differences=False (a float64 copy of the params and 1 + 4x{DIRECTIONS} float64 forwards of "
-           "the step; run it once per run)").replace("{DIRECTIONS}", str(DIRECTIONS))
+    why = ("off: finite_differences=False (a float64 copy of the params, one float64 backward and 1 + 4x{DIRECTIONS} "
+           "float64 forwards of the step; run it once per run)").replace("{DIRECTIONS}", str(DIRECTIONS))
     return [Check.not_applicable(_NAME, why), Check.not_applicable(_LOSS, why)]

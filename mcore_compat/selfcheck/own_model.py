@@ -105,10 +105,12 @@ def check_training_step(
             from each iterator first (the reference sees the same ones).
         binding: a :class:`~mcore_compat.binding.ParamBinding` of these chunks, to check it too.
         reference: build the plain-autograd copy for the gradient check (one more model in memory).
-        finite_differences: also check the finalized gradients against the forward alone (directional
-            derivatives by central differences on a float64 copy of the model, :mod:`.directional`:
-            ``grads_match_directional_derivatives``, ``loss_matches_float64``), which sees faults inside the
-            layers' own backward and a forward reading stale weights. It costs a float64 copy of the params and
+        finite_differences: also check the gradients against the forward alone (:mod:`.directional`:
+            ``grads_match_directional_derivatives``, ``loss_matches_float64``): a float64 copy of the model's
+            backward against the central differences of its loss (faults inside the layers' own backward, at
+            about 1e-4 of the gradient's norm whatever the model's dtype), the finalized gradients against that
+            copy's (at the model dtype's resolution), and each loss against the copy's (a forward reading stale
+            weights). It costs a float64 copy of the params and their gradients, one float64 backward and
             ``1 + 4 x DIRECTIONS`` float64 forwards of the step: run it once per run (e.g. the first step after
             a warm-up step). Off: both checks are N/A, saying so.
 
