@@ -485,6 +485,25 @@ def _wgrad(part: float) -> Maker:
     return make
 
 
+def _wgrad_scaled(factor: float) -> Maker:
+    """The linear layers' hand-written backward returns its weight gradient times ``factor`` (a wrong scale of
+    the gradient accumulation: 1.01 is a 1% error, below the bf16 gradient's bound of the step's comparison)."""
+
+    def make(real: Callable[..., Any], rec: Record, _t: Target) -> Callable[..., Any]:
+        def backward(ctx: Any, *grads: Any) -> Any:
+            out = list(real(ctx, *grads))
+            w = out[1]
+            changed = bool(w is not None and w.dim() and w.count_nonzero())
+            if changed:
+                out[1] = w * factor
+            rec.saw(changed, f"a weight gradient times {factor:g}" if changed else "")
+            return tuple(out)
+
+        return backward
+
+    return make
+
+
 def _mapping_unreduced(real: Callable[..., Any], rec: Record, _t: Target) -> Callable[..., Any]:
     """A tensor-parallel mapping's backward leaves out its reduction over the TP group: each rank keeps its own
     partial gradient (``_CopyToModelParallelRegion``'s all-reduce; for a gather's reduce-scatter, a plain split)."""
@@ -630,6 +649,10 @@ FAULTS: dict[str, MegatronFault] = {
     "own_wgrad_zero": MegatronFault(
         "the linear layers' backward returns a zero weight gradient (a deferred weight gradient that never runs)",
         _LINEAR_BACKWARD, _wgrad(1.0), "own-dp2", _FD),
+    "own_wgrad_scaled_1pct": MegatronFault(
+        "the linear layers' backward returns its weight gradient 1% too large (bf16: below the step's gradient "
+        "bound, 0.12 of |g|; the float64 copy's backward against its forward resolves about 1e-4)",
+        _LINEAR_BACKWARD, _wgrad_scaled(1.01), "own-dp2", _FD),
     "own_stale_weight_in_forward": MegatronFault(
         "a ColumnParallelLinear's forward computes with the weight of its first forward (a cache not refreshed "
         "after the warm-up step)",
