@@ -51,6 +51,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # LinearWithGradAccumulationAndAsyncCommunication) on 0.4.0, 0.8.0 or 0.16.1, so no fault of it can act here
     "own-tp2": dict(tp=2, pp=1, sequence_parallel=False, distributed_optimizer=False, lr=1e-6, dropout=0.1,
                     decoupled_weight_decay=False),
+    # the self-check's own run with finite differences (mcore-compat self-check --finite-differences): TP=2 with
+    # sequence parallelism, the distributed optimizer, dropout 0.1 at lr 1e-6
+    "fd-tp2-sp": dict(tp=2, pp=1, sequence_parallel=True, distributed_optimizer=True, lr=1e-6, dropout=0.1,
+                      finite_differences=True),
 }
 
 _OPT = "megatron.core.optimizer.optimizer"
@@ -653,6 +657,10 @@ FAULTS: dict[str, MegatronFault] = {
         "the linear layers' backward returns its weight gradient 1% too large (bf16: below the step's gradient "
         "bound, 0.12 of |g|; the float64 copy's backward against its forward resolves about 1e-4)",
         _LINEAR_BACKWARD, _wgrad_scaled(1.01), "own-dp2", _FD),
+    "sweep_wgrad_scaled_1pct": MegatronFault(
+        "the linear layers' backward returns its weight gradient 1% too large, in the self-check's own run with "
+        "--finite-differences (TP=2 with sequence parallelism, bf16, dropout)",
+        _LINEAR_BACKWARD, _wgrad_scaled(1.01), "fd-tp2-sp", _FD),
     "own_stale_weight_in_forward": MegatronFault(
         "a ColumnParallelLinear's forward computes with the weight of its first forward (a cache not refreshed "
         "after the warm-up step)",

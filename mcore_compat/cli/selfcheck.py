@@ -85,6 +85,12 @@ def add_parser(sub: Any) -> None:
                         "device memory freed, everything back on its own storage bit for bit, host buffers "
                         "reused, and a verified step after it (default: 0; 2 with --sweep: a full cycle and one "
                         "that keeps the params)")
+    p.add_argument("--finite-differences", action=argparse.BooleanOptionalAction, default=False,
+                   help="also check the second step's gradients against the forward alone: a float64 copy of the "
+                        "model's backward against central differences of its loss, the step's gradients against "
+                        "the copy's, each loss against the copy's (grads_match_directional_derivatives, "
+                        "loss_matches_float64; N/A with the reason where it cannot run, e.g. pipeline "
+                        "parallelism; default: off)")
     p.add_argument("--seed", type=int, default=1234,
                    help="the seed of the model's initialisation and of the data (default: 1234)")
     p.add_argument("--fault", choices=sorted(FAULTS), default=None,
@@ -123,7 +129,8 @@ def _options(args: argparse.Namespace) -> Any:
                             model=args.model, steps=args.steps, lr=args.lr, weight_decay=args.weight_decay,
                             clip_grad=args.clip_grad, seed=args.seed, timeout=args.timeout, fault=args.fault,
                             offload_cycles=args.offload_cycles or 0, dropout=args.dropout,
-                            decoupled_weight_decay=args.decoupled_weight_decay)
+                            decoupled_weight_decay=args.decoupled_weight_decay,
+                            finite_differences=args.finite_differences)
 
 
 def _error(message: str) -> None:

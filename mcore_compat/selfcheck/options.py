@@ -90,6 +90,11 @@ class SelfCheckOptions:
         loss_scale: a constant loss scale (``OptimizerConfig.loss_scale``; ``None`` = none): with bf16 the
             release's optimizer then multiplies the loss by it and unscales the gradients inside its step, as it
             does for fp16; the checks compare against the reference with the same scale.
+        finite_differences: also check the second step's gradients against the forward alone
+            (:mod:`.directional`: ``grads_match_directional_derivatives``, ``loss_matches_float64``; off by
+            default: a float64 copy of the model, one float64 backward and nine float64 forwards of the step).
+            Not applicable with pipeline parallelism, MoE experts or dropout the float64 copy cannot replay,
+            each report saying why.
     """
 
     nproc: int | None = None
@@ -120,6 +125,7 @@ class SelfCheckOptions:
     dropout: float = 0.0
     bias: bool = False
     loss_scale: float | None = None
+    finite_differences: bool = False
 
     def world_size(self) -> int:
         """The world size these options run on."""

@@ -349,6 +349,7 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
     batches = models.make_batches(opts, ps.get_data_parallel_rank())
     per_chunk = [batches] * len(chunks)
     forward_step = _forward_step_for(opts)
+    fd_checks: list[Check] = []
     for k in range(opts.steps):
         verifier.before_step()
         training.zero_grad_buffer(chunks, optimizer)
@@ -358,6 +359,8 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
                                            micro_batch_size=models.MICRO_BATCH,
                                            check_hooks=opts.fault != "no_finalize_hook")
         verifier.after_backward(models.forward_step(opts), per_chunk, models.MICROBATCHES, stored)
+        if opts.finite_differences and k == min(1, opts.steps - 1):  # after a warm-up step: stale weights show
+            fd_checks = _finite_differences(opts, chunks, cfg, verifier, per_chunk, stored)
         independent.step(stored, verifier.view.loss_scale() if not verifier.view.unsupported else 1.0)
         with verifier.stepping():
             ok, norm, _zeros = training.optimizer_step(optimizer)
@@ -376,6 +379,7 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
     checks.extend(verifier.checks())
     checks.append(_loss_check(verifier))
     checks.append(independent.check())
+    checks.extend(fd_checks)
     checks.extend(cycles.checks())
     alias = _buffer_alias_check(chunks)
     if alias is not None:
@@ -396,6 +400,18 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
     models.release_chunks(chunks)
     ps.destroy_model_parallel()
     return checks, env
+
+
+def _finite_differences(opts: SelfCheckOptions, chunks: list[Any], cfg: Any, verifier: Any,
+                        per_chunk: list[Any], stored: Any) -> list[Check]:
+    """``grads_match_directional_derivatives`` and ``loss_matches_float64`` on this step's finalized gradients,
+    before the optimizer reads them (collective)."""
+    from .directional import FiniteDifferences
+
+    fd = FiniteDifferences(chunks, verifier.view, verifier.groups, verifier.names,
+                           per_token_loss=bool(getattr(cfg, "calculate_per_token_loss", False)), seed=opts.seed)
+    return fd.run(models.forward_step(opts), per_chunk, models.MICROBATCHES, stored or [], verifier.loss_scale_now,
+                  verifier.rng)
 
 
 def _loss_check(verifier: StepVerifier) -> Check:
