@@ -354,15 +354,15 @@ class FiniteDifferences:
                 if step and i in chosen:
                     b.copy.add_(self._direction(b, k), alpha=step)
 
-    def _loss(self, forward_step_func: Callable[..., Any], batches: Sequence[Any], num_microbatches: int,
-              rng: Any, per_mb: list[float] | None = None) -> tuple[float, float, str]:
-        """This rank's part of the step's loss at the copy's params (``(loss sum, tokens, loss dtype)``)."""
+    def _microbatches(self, forward_step_func: Callable[..., Any], batches: Sequence[Any], num_microbatches: int,
+                      rng: Any) -> Iterator[tuple[Any, float | None]]:
+        """The copy's forward of each micro-batch (the random state the real one drew from replayed): its loss
+        tensor and, for a per-token loss, its token count (``None``: a mean the schedule divides by
+        ``num_microbatches``)."""
         import torch
 
         from .reference import _set_input_tensor
 
-        self.evaluations += 1
-        total, tokens, dtype = 0.0, 0.0, "float64"
         it = iter(batches)
         for mb in range(num_microbatches):
             _set_input_tensor(self.copy, None)
@@ -370,14 +370,21 @@ class FiniteDifferences:
                 rng.replay(0, mb)
             output, loss_func = forward_step_func(it, self.copy)
             result = loss_func(output)
-            loss = result[0]
+            yield result[0], (float(torch.as_tensor(result[1]).double().sum()) if len(result) == 3 else None)
+
+    def _loss(self, forward_step_func: Callable[..., Any], batches: Sequence[Any], num_microbatches: int,
+              rng: Any, per_mb: list[float] | None = None) -> tuple[float, float, str]:
+        """This rank's part of the step's loss at the copy's params (``(loss sum, tokens, loss dtype)``)."""
+        self.evaluations += 1
+        total, tokens, dtype = 0.0, 0.0, "float64"
+        for loss, count in self._microbatches(forward_step_func, batches, num_microbatches, rng):
             dtype = _dtype_name(loss.dtype) if dtype == "float64" else dtype
             value = float(loss.detach().double())
-            if len(result) == 3:
-                tokens += float(torch.as_tensor(result[1]).double().sum())
+            if count is not None:
+                tokens += count
                 total += value
                 if per_mb is not None:
-                    per_mb.append(value / max(float(torch.as_tensor(result[1]).double().sum()), 1.0))
+                    per_mb.append(value / max(count, 1.0))
             else:
                 total += value / num_microbatches
                 if per_mb is not None:
@@ -436,8 +443,6 @@ class FiniteDifferences:
         communication)."""
         import torch
 
-        from .reference import _set_input_tensor
-
         self.evaluations += 1
         self._set([], 0, 0.0)
         params = [b.copy for b in self.blocks]
@@ -447,16 +452,9 @@ class FiniteDifferences:
         tokens = 0.0
         try:
             with torch.enable_grad():
-                it = iter(batches)
-                for mb in range(num_microbatches):
-                    _set_input_tensor(self.copy, None)
-                    if rng is not None:
-                        rng.replay(0, mb)
-                    output, loss_func = forward_step_func(it, self.copy)
-                    result = loss_func(output)
-                    loss = result[0]
-                    if len(result) == 3:
-                        tokens += float(torch.as_tensor(result[1]).double().sum())
+                for loss, count in self._microbatches(forward_step_func, batches, num_microbatches, rng):
+                    if count is not None:
+                        tokens += count
                     else:
                         loss = loss / num_microbatches
                     loss.double().backward()
