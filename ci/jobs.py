@@ -22,6 +22,10 @@ TEST_PATHS = ("tests", "examples/ppo_actor/tests", "README.md", "docs")  # *.md:
 PYTEST_NO_TESTS = 5
 #: The versions.toml tag (and pytest marker) of the release sessions that also run the launcher tests.
 LAUNCHER_TAG = "launcher"
+#: The pytest marker of the fault-injection suites (tests/test_megatron_faults.py, the self-check's injected faults in
+#: tests/test_selfcheck_real.py) and the computed versions.toml tag of the release sessions that run them: the latest
+#: listed patch of each minor (see versions.toml's header).
+FAULTS_MARKER, FAULTS_TAG = "faults", "latest"
 #: What every release session runs after pytest: the main job, as a user runs it.
 SELFCHECK_ARGS = ("self-check", "--nproc", "2", "--sweep", "--device", "cpu", "--bind", "--timeout", "600")
 #: What the lint session type-checks (paths relative to the repository).
@@ -155,6 +159,15 @@ def record_selfcheck(path: Path, code: int | None, result: JobResult) -> None:
         result.details = "; ".join(filter(None, [result.details, why]))
 
 
+def session_marker(release: Release) -> str:
+    """The ``-m`` expression of ``release``'s session: the ``mcore`` tests, less those marked ``launcher`` unless the
+    release is tagged so, and less those marked ``faults`` unless it is the latest listed patch of its minor (see
+    versions.toml's header)."""
+    left_out = [marker for marker, tag in ((LAUNCHER_TAG, LAUNCHER_TAG), (FAULTS_MARKER, FAULTS_TAG))
+                if tag not in release.tags]
+    return " and ".join(["mcore", *(f"not {m}" for m in left_out)])
+
+
 def run_release(env: MatrixEnv, release: Release, out: Out, extra: Sequence[str] = ()) -> JobResult:
     """One release: base, limits, wheel, ``.cache/mc/<V>``, mcore-compat, start-up check, pytest, self-check.
 
@@ -184,9 +197,7 @@ def run_release(env: MatrixEnv, release: Release, out: Out, extra: Sequence[str]
         if code != 0:
             raise JobError(f"start-up check failed (exit status {code}); see its output above")
         result.report = json.loads(report_path.read_text(encoding="utf-8"))
-        # Tests marked `launcher` run only in the sessions tagged so in versions.toml (see its header).
-        marker = "mcore" if LAUNCHER_TAG in release.tags else f"mcore and not {LAUNCHER_TAG}"
-        run_pytest(env, python, release, marker, out, result, extra)
+        run_pytest(env, python, release, session_marker(release), out, result, extra)
         if extra:
             return
         if LAUNCHER_TAG in release.tags:

@@ -18,7 +18,7 @@ from mcore_compat.launch import Group
 from mcore_compat.selfcheck import Report
 from mcore_compat.selfcheck.report import merge_rank_checks
 
-pytestmark = pytest.mark.mcore
+pytestmark = [pytest.mark.mcore, pytest.mark.faults]
 
 
 def _report(per_rank: list[dict[str, Any]], settings: dict[str, Any]) -> Report:

@@ -8,7 +8,8 @@
   the fault can exist: in bf16 (the RL setting, and the looser gradient tolerance), and in fp32 too where the
   param dtype changes the code the fault acts in (the optimizer's structure: fp32 params are their own main
   params; the gradient check's fp32 tolerance); the verdicts are written to ``$MCORE_COMPAT_FAULT_REPORT`` (when set) for the
-  matrix's fault-detection score;
+  matrix's fault-detection score (marked ``faults``: the matrix runs them in the session of each minor's latest
+  listed patch, see matrix/versions.toml's header);
 * ``check_training_step`` on the caller's own model passes clean and catches the faults a bug inside the
   optimizer step causes, with and without its reference copy.
 """
@@ -179,11 +180,27 @@ def _cli_sweep() -> dict[str, SelfCheckOptions]:
 
 @pytest.fixture(scope="module")
 def sweep(rank_group: Group) -> dict[str, Report]:
+    """The clean configurations (the standard sweep, the CLI's, coupled weight decay), in the warm ranks."""
     common = dict(model="gpt", steps=2)
     configs = {name: replace(c, **common) for name, c in _clean().items()}
     configs.update(_cli_sweep())
     if _coupled_unsupported() is None:
         configs.update({name: replace(c, **common) for name, c in COUPLED.items()})
+    reports = run_sweep(list(configs.values()), 2, device="cpu", timeout=1800, group=rank_group)
+    out = dict(zip(configs, reports, strict=True))
+    target = os.environ.get("MCORE_COMPAT_SELFCHECK_REPORT")
+    if target:  # what `mcore-compat self-check ... --json` writes, for the matrix's record of this release
+        with open(target, "w", encoding="utf-8") as fh:
+            json.dump([json.loads(out[n].to_json()) for n in _cli_sweep()], fh, indent=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fault_sweep(rank_group: Group, sweep: dict[str, Report]) -> dict[str, Report]:
+    """Every injected fault that can exist on this release, in its configuration and dtypes (only where the tests
+    marked ``faults`` run: versions.toml's header); writes the score with the clean configurations'."""
+    common = dict(model="gpt", steps=2)
+    configs = {}
     for name, case in FAULT_CASES.items():
         if not _applies(name):
             continue
@@ -194,11 +211,7 @@ def sweep(rank_group: Group) -> dict[str, Report]:
                                                           **{"bind": bind, **case.config})
     reports = run_sweep(list(configs.values()), 2, device="cpu", timeout=1800, group=rank_group)
     out = dict(zip(configs, reports, strict=True))
-    _write_fault_report(out)
-    target = os.environ.get("MCORE_COMPAT_SELFCHECK_REPORT")
-    if target:  # what `mcore-compat self-check ... --json` writes, for the matrix's record of this release
-        with open(target, "w", encoding="utf-8") as fh:
-            json.dump([json.loads(out[n].to_json()) for n in _cli_sweep()], fh, indent=2)
+    _write_fault_report({**sweep, **out})
     return out
 
 
@@ -316,11 +329,12 @@ def test_coupled_weight_decay_passes(sweep: dict[str, Report], name: str) -> Non
     assert check.passed and "L2 through the moments" in check.detail, report.render()
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(("case", "dtype"), [(c, d) for c, f in FAULT_CASES.items() for d in f.dtypes])
-def test_fault_fails_the_right_check(sweep: dict[str, Report], case: str, dtype: str) -> None:
+def test_fault_fails_the_right_check(fault_sweep: dict[str, Report], case: str, dtype: str) -> None:
     if not _applies(case):
         pytest.skip(f"{case} cannot happen on megatron-core {_installed()} (needs {FAULT_CASES[case].releases})")
-    report = sweep[f"{case}-{dtype}"]
+    report = fault_sweep[f"{case}-{dtype}"]
     assert report.error is None, report.error
     assert _caught(case, report), report.render()
 
