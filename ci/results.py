@@ -33,7 +33,8 @@ class JobResult:
         checkpoints: the committed checkpoints of other releases loaded on this one (tests/test_checkpoint_cross.py):
             ``{"<saving release>": {"full": "exact" | "refused: ..." | ..., "weights": ...}}``.
         generated: the generated-settings properties (tests/test_generated_settings.py): ``{"examples": {property:
-            count}, "failed": [property]}``.
+            count}, "failed": [property], "reference": {property: {"compared", "not comparable", "missing",
+            "drawn"}}, "reference_release"}``.
         timing: seconds per phase (``prepare``, ``startup``, ``pytest``, ``selfcheck``) and what the suite
             measured inside pytest (``inside_pytest``: see tests/conftest.py); :func:`timing_line` renders it.
     """

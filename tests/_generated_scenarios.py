@@ -36,6 +36,7 @@ returns ``{"status", "examples", "failure"}``; a failure carries Hypothesis's fa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -44,10 +45,11 @@ import os
 import traceback
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import _generated_reference as R
 import _spec_oracle as O
 from _training_scenarios import apply_patches
 
@@ -364,13 +366,36 @@ def _broadcast(value: Any = None) -> Any:
     return box[0]
 
 
+@contextlib.contextmanager
+def _no_local_constants() -> Iterator[None]:
+    """Hypothesis draws some values from the constants it reads in the source of every module loaded from outside
+    site-packages (``hypothesis.internal.conjecture.providers._get_local_constants``): Megatron's tree on
+    ``sys.path`` and whatever the ranks ran before. So one seed drew other examples on other releases (2 of 30
+    ``invalid`` examples differed between 0.4.0 and 0.16.1) and after other suites. Without them the draws depend
+    only on the seed and the example database, and every release sees the examples the reference release
+    recorded. A private function of the pinned Hypothesis (ci/matrix_env.py): if it moves, this fails loudly."""
+    from hypothesis.internal.conjecture import providers
+    from hypothesis.internal.constants_ast import Constants
+
+    real = providers._get_local_constants
+    empty = Constants()
+    providers._get_local_constants = lambda: empty
+    providers.CONSTANTS_CACHE.cache.clear()
+    try:
+        yield
+    finally:
+        providers._get_local_constants = real
+        providers.CONSTANTS_CACHE.cache.clear()
+
+
 def _run_property(name: str, version: str, draw: Callable[[Any], dict[str, Any]],
                   body: Callable[[dict[str, Any]], list[str]]) -> dict[str, Any]:
     """Hypothesis on rank 0 only: each example it draws (``draw(data)``) is sent to every rank, which run
     ``body(example)`` together (builds and collectives in step) and return the same mismatches, computed from data
     gathered over the ranks; rank 0's verdict goes back to every rank. Two Hypothesis engines, one per rank, drift
     apart even with one seed and one database (seen: the same outcomes, different draws from the 8th example on,
-    after another suite had run in the ranks), and then the ranks' collectives no longer match: one engine only.
+    after another suite had run in the ranks: :func:`_no_local_constants` says why), and then the ranks'
+    collectives no longer match: one engine only.
 
     Returns:
         ``{"status", "examples", "failure"}``; a failure carries Hypothesis's falsifying example.
@@ -405,10 +430,13 @@ def _run_property(name: str, version: str, draw: Callable[[Any], dict[str, Any]]
         assert not bad, "; ".join(bad[:4])
 
     try:
-        seed(_seed(version, name))(test)()
+        with _no_local_constants():
+            seed(_seed(version, name))(test)()
         result: dict[str, Any] = {"status": "pass", "examples": count[0], "failure": None}
     except Exception as exc:  # the falsifying example is in the exception's notes
         result = {"status": "fail", "examples": count[0], "failure": "".join(traceback.format_exception(exc))[-6000:]}
+    if name in R.COMPARED:
+        result["reference"] = {**R.counts(name), "drawn": count[0]}
     _broadcast(("stop", result))
     return result
 
@@ -522,9 +550,21 @@ def _schedule_property(version: str) -> dict[str, Any]:
 
     def body(example: dict[str, Any]) -> list[str]:
         observed = observe_schedule(example["build"], example["schedule"])
-        return schedule_mismatches(example["build"], example["schedule"], observed) + raw_mismatches(observed)
+        return (schedule_mismatches(example["build"], example["schedule"], observed) + raw_mismatches(observed)
+                + R.against_reference("schedule", example, schedule_observable(observed), schedule_differences))
 
     return _run_property("schedule", version, draw, body)
+
+
+def schedule_observable(observed: dict[str, Any]) -> dict[str, Any]:
+    """What the reference release's record keeps of :func:`observe_schedule`'s result."""
+    return {"refused": observed["refused"] is not None, "seen": observed.get("seen")}
+
+
+def schedule_differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    if mine["refused"] != theirs["refused"]:
+        return [f"refused={mine['refused']}, on the reference release refused={theirs['refused']}"]
+    return [] if mine["refused"] else R.close_tables(mine["seen"], theirs["seen"], _close, "schedule")
 
 
 # ------------------------------------------------------------------------------------------------- the resume
@@ -693,10 +733,18 @@ def _resume_property(version: str) -> dict[str, Any]:
 
     def body(e: dict[str, Any]) -> list[str]:
         observed = observe_resume(e["build"], e["first"], e["second"], e["mode"], e["resume_at"], e["steps"])
-        return resume_mismatches(e["build"], e["first"], e["second"], e["mode"], e["resume_at"], e["steps"],
-                                 observed) + resume_raw_mismatches(e["first"], e["second"], e["mode"], observed)
+        return (resume_mismatches(e["build"], e["first"], e["second"], e["mode"], e["resume_at"], e["steps"],
+                                  observed) + resume_raw_mismatches(e["first"], e["second"], e["mode"], observed)
+                + R.against_reference("resume", e, {"error": observed["error"], "seen": observed["seen"]},
+                                      resume_differences))
 
     return _run_property("resume", version, draw, body)
+
+
+def resume_differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    if mine["error"] != theirs["error"]:
+        return [f"load_state_dict raised {mine['error']}, on the reference release {theirs['error']}"]
+    return R.close_tables(mine["seen"], theirs["seen"], _close, "the resumed schedule")
 
 
 def resume_raw_mismatches(first: dict[str, Any], second: dict[str, Any], mode: str,
@@ -809,9 +857,20 @@ def _overrides_property(version: str) -> dict[str, Any]:
 
     def body(example: dict[str, Any]) -> list[str]:
         observed = observe_overrides(example["build"], example["schedule"])
-        return overrides_mismatches(example["build"], example["schedule"], observed)
+        observable = None if observed["before_16"] is not None else {
+            **schedule_observable(observed), "groups_built": observed["groups_built"][0]}
+        return (overrides_mismatches(example["build"], example["schedule"], observed)
+                + R.against_reference("overrides", example, observable, overrides_differences))
 
     return _run_property("overrides", version, draw, body)
+
+
+def overrides_differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    bad = schedule_differences(mine, theirs)
+    if mine["groups_built"] != theirs["groups_built"]:
+        bad.append(f"group settings (max_lr, min_lr, wd_mult) {mine['groups_built']}, on the reference release "
+                   f"{theirs['groups_built']}")
+    return bad
 
 
 # One change that makes a valid draw invalid: (the setting the one-line message must name, the changes as a
@@ -950,7 +1009,11 @@ def _invalid_property(version: str) -> dict[str, Any]:
 
     def body(example: dict[str, Any]) -> list[str]:
         case = example["case"]
-        return invalid_mismatches(case, observe_invalid(example["build"], example["schedule"], case))
+        observed = observe_invalid(example["build"], example["schedule"], case)
+        return invalid_mismatches(case, observed) + R.against_reference(
+            "invalid", example, {"error": observed["error"]},
+            lambda mine, theirs: [] if mine == theirs else [f"raised {mine['error']}, on the reference release "
+                                                            f"{theirs['error']}"])
 
     result = _run_property("invalid", version, draw, body)
     return {**result, "examples": result["examples"] + len(cases)}
@@ -1185,9 +1248,32 @@ def _update_property(version: str) -> dict[str, Any]:
         return {"build": build, "steps": data.draw(st.integers(1, 4 if build.get("fp16") else 3), label="steps")}
 
     def body(example: dict[str, Any]) -> list[str]:
-        return update_mismatches(example["build"], observe_update(example["build"], example["steps"]))
+        observed = observe_update(example["build"], example["steps"])
+        return update_mismatches(example["build"], observed) + R.against_reference(
+            "update", example, update_observable(observed),
+            lambda mine, theirs: update_differences_of(example["build"], example["steps"], mine, theirs))
 
     return _run_property("update", version, draw, body)
+
+
+def update_observable(observed: dict[str, Any]) -> dict[str, Any] | None:
+    """What the reference release's record keeps of :func:`observe_update`'s result (None: this release refuses
+    the settings, not comparable)."""
+    if observed["refused"] is not None:
+        return None
+    return {k: observed[k] for k in ("start", "end", "ok", "scales", "shapes")}
+
+
+def update_differences_of(build: dict[str, Any], steps: int, mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """The update against the reference release's: the same skipped steps and loss scales, the main params within
+    :data:`UPDATE_TOL` (per lr and step) and :data:`ULPS`."""
+    bad = []
+    if mine["ok"] != theirs["ok"] or mine["scales"] != theirs["scales"]:
+        bad.append(f"steps taken {mine['ok']} with loss scales {mine['scales']}, on the reference release "
+                   f"{theirs['ok']} with {theirs['scales']}")
+    lrs = {name: lr for name, (lr, _) in build_hyper(build, mine["shapes"]).items()}
+    tol = UPDATE_TOL.get(_precision(build), UPDATE_TOL["bf16"])
+    return bad + R.update_differences(mine, theirs, lrs, steps, tol, ULPS)
 
 
 # ------------------------------------------------------------------------------------------ the committed cases
@@ -1270,26 +1356,13 @@ ULPS = 32
 
 def _reference_mismatches(case: dict[str, Any], observed: dict[str, Any], ref: dict[str, Any]) -> list[str]:
     """``observed`` (one committed case) against the reference release's record ``ref``."""
-    bad = []
-    for step, (mine, theirs) in enumerate(zip(observed["schedule"]["seen"], ref["schedule"], strict=True)):
-        if set(mine) != set(theirs) or any(
-                not all(_close(a, b) for a, b in zip(mine[n], theirs[n], strict=True)) for n in mine):
-            bad.append(f"step {step}: (lr, wd) per parameter {mine} differ from the reference release's {theirs}")
-            break
+    bad = R.close_tables(observed["schedule"]["seen"], ref["schedule"], _close, "schedule")
     update, ref_update = observed["update"], ref["update"]
     if (update["refused"] is None) and ref_update is not None:
         build = case["build"]
-        hyper = build_hyper(build, update["shapes"])
-        for name, start in update["start"].items():
-            lr = hyper[name][0]
-            tol = UPDATE_TOL["bf16" if build["bf16"] else "fp32"] * lr * case["steps"]
-            for i, (s0, s1, r0, r1) in enumerate(zip(start, update["end"][name], ref_update["start"][name],
-                                                     ref_update["end"][name], strict=True)):
-                ulps = ULPS * 2.0 ** -23 * max(abs(s1), abs(r1))
-                if not abs(s0 - r0) <= ulps or not abs((s1 - s0) - (r1 - r0)) <= tol + ulps:
-                    bad.append(f"{name}[{i}]: from {s0!r} to {s1!r}, on the reference release from {r0!r} to "
-                               f"{r1!r} (tolerance {tol:.2e})")
-                    break
+        lrs = {name: lr for name, (lr, _) in build_hyper(build, update["shapes"]).items()}
+        bad += R.update_differences(update, ref_update, lrs, case["steps"],
+                                    UPDATE_TOL["bf16" if build["bf16"] else "fp32"], ULPS)
     return bad
 
 
@@ -1368,9 +1441,27 @@ def _module_property(name: str, version: str) -> dict[str, Any]:
     return {**result, "examples": result["examples"] + len(cases)}
 
 
+def _own() -> dict[str, Callable[[str], dict[str, Any]]]:
+    return {"committed": _committed_property, "schedule": _schedule_property, "resume": _resume_property,
+            "overrides": _overrides_property, "invalid": _invalid_property, "update": _update_property}
+
+
 def run_all() -> dict[str, Any]:
     """Every property on this rank: ``{"version", "cases": {name: result}}``."""
-    own = {"committed": _committed_property, "schedule": _schedule_property, "resume": _resume_property,
-           "overrides": _overrides_property, "invalid": _invalid_property, "update": _update_property}
+    own = _own()
     return _on_release(lambda version: {
         name: own[name](version) if name in own else _module_property(name, version) for name in PROPERTIES})
+
+
+def record_drawn() -> dict[str, Any]:
+    """On every rank, with ``_generated_reference.RECORD_ENV`` set: the drawn examples of every compared property
+    observed on this release, ``{"release", "properties": {property: {key: observable}}}`` (what
+    ``_generated_reference.DRAWN`` keeps; scripts/generated_reference.py). Raises if a property fails here."""
+    if not R.recording():
+        raise RuntimeError(f"record_drawn needs ${R.RECORD_ENV} set in the ranks")
+    own = _own()
+    result = _on_release(lambda version: {name: own[name](version) for name in R.COMPARED})
+    failed = {k: v["failure"] for k, v in result["cases"].items() if v["status"] != "pass"}
+    if failed:
+        raise RuntimeError(f"the properties fail on megatron-core {result['version']}: {failed}")
+    return {"release": result["version"], "properties": R.recorded()}

@@ -420,6 +420,26 @@ def test_the_megatron_fault_score_is_recorded_and_shown(tmp_path: Path, monkeypa
     assert _megatron_faults_cell(None) == "—"
 
 
+def test_the_fault_suites_run_in_the_latest_patch_of_each_minor(rels: list[Release]) -> None:
+    """Tests marked ``faults`` run in the session of each minor's latest listed patch (and the launcher tests in the
+    sessions tagged ``launcher``); an earlier patch's row in the support table names the patch that ran them."""
+    from ci.jobs import session_marker
+    from mcore_compat.support.render import render
+
+    for r in rels:
+        latest = max(o.version for o in rels if o.minor == r.minor)
+        marker = session_marker(r)
+        assert ("not faults" in marker) == (r.version != latest), (r.version, marker)
+        assert ("not launcher" in marker) == ("launcher" not in r.tags), (r.version, marker)
+    earlier = [r for r in rels if "latest" not in r.tags]
+    assert earlier, "no minor lists two patches: the rule is not exercised"
+    table = render(rels, {}, {})
+    for r in earlier:
+        [row] = [line for line in table.splitlines() if line.startswith(f"| {r.version} |")]
+        latest = max(o.version for o in rels if o.minor == r.minor)
+        assert row.count(f"run on {latest} (the minor's latest patch)") == 2, row
+
+
 def test_the_time_table_is_rendered_from_the_recorded_timing() -> None:
     """matrix/README.md shows where each release session's time went, from the CPU record's ``timing``."""
     from mcore_compat.support.render import _timing_row
@@ -534,3 +554,9 @@ def test_the_generated_settings_counts_are_recorded_and_shown(tmp_path: Path,
     assert record["generated_settings"] == score
     assert _generated_cell(record) == "schedule 12, invalid 72, update 10 FAILED"
     assert _generated_cell({"result": "pass"}) == "—" and _generated_cell(None) == "—"
+    # the drawn examples compared with the reference release's record
+    compared = {**score, "reference_release": "0.16.1", "reference": {
+        "schedule": {"compared": 12, "not comparable": 0, "missing": 0, "drawn": 12},
+        "update": {"compared": 4, "not comparable": 6, "missing": 0, "drawn": 10}}}
+    assert _generated_cell({"generated_settings": compared}) == \
+        "schedule 12, invalid 72, update 10 FAILED; 16/22 drawn compared with 0.16.1"

@@ -36,7 +36,8 @@ FAILS naming the right check (and the clean configurations PASS). **Megatron fau
 injected inside Megatron-Core itself (`tests/test_megatron_faults.py`: a Megatron function replaced in the ranks,
 e.g. DDP's gradient reduction, the param all-gather, unscaling, the grad norm, clipping, the optimizer step, the
 tied-embedding and sequence-parallel all-reduces, a layer's forward), caught over those that act on the release
-(a fault whose target does not exist or run there is not acting, never counted as caught).
+(a fault whose target does not exist or run there is not acting, never counted as caught). Both fault suites run
+in the session of each minor's latest listed patch; an earlier patch names it ("run on ...": versions.toml's header).
 **Loads checkpoints of**: `tests/test_checkpoint_cross.py` in the release's session loads the committed
 checkpoints (`tests/data/checkpoints/<A>/`) that `mcore_compat.save_checkpoint` wrote on each release A, with and
 without the optimizer; "exact": every weight, main param, both Adam moments and the step equal to A's values bit for
@@ -46,7 +47,9 @@ seed: every release draws the same): `committed` (5 committed cases against the 
 0.16.1's record), `schedule` (every parameter's lr and weight decay over a drawn schedule,
 resumed mid-way, against the formulas in float64 and Megatron's own scheduler), `invalid` (44 invalid settings
 refused in one line naming the setting, groups unchanged), `update` (1-3 training steps with drawn DDP settings:
-gradients against a float64 replica, the grad norm, the main params against Adam in float64).
+gradients against a float64 replica, the grad norm, the main params against Adam in float64); "n/m drawn compared
+with 0.16.1": the drawn examples of schedule, resume, overrides, invalid and update whose observation was compared
+with the reference release's committed record of the same example (the rest: settings this release refuses).
 **GPU**: `scripts/gpu_matrix.py` on NVIDIA
 H200 with NCCL: the self-check in bf16 with `--bind` and two offload cycles on 1 GPU (distributed optimizer on
 and off, lr 1e-2 and 1e-6; runs before 2026-12-01-9 had no offload cycle) and, where a 2-GPU machine was
@@ -134,14 +137,21 @@ def _checkpoints_cell(result: Mapping[str, Any] | None) -> str:
 
 
 def _generated_cell(result: Mapping[str, Any] | None) -> str:
-    """``schedule 12, invalid 72, update 10`` from a CPU result's ``generated_settings`` (examples per property,
-    the failed ones marked); ``—`` when not recorded."""
+    """``schedule 12, invalid 72, update 10; 70/80 drawn compared with 0.16.1`` from a CPU result's
+    ``generated_settings`` (examples per property, the failed ones marked; the drawn examples compared with the
+    reference release's record); ``—`` when not recorded."""
     generated = (result or {}).get("generated_settings")
     if not isinstance(generated, Mapping) or not isinstance(generated.get("examples"), Mapping):
         return "—"
     failed = set(generated.get("failed") or ())
-    return _cell(", ".join(f"{name} {count}" + (" FAILED" if name in failed else "")
-                           for name, count in generated["examples"].items()))
+    text = ", ".join(f"{name} {count}" + (" FAILED" if name in failed else "")
+                     for name, count in generated["examples"].items())
+    reference = generated.get("reference")
+    if isinstance(reference, Mapping) and reference:
+        compared = sum(int(c.get("compared", 0)) for c in reference.values())
+        drawn = sum(int(c.get("drawn", 0)) for c in reference.values())
+        text += f"; {compared}/{drawn} drawn compared with {generated.get('reference_release', 'the reference')}"
+    return _cell(text)
 
 
 def _timing_row(version: str, result: Mapping[str, Any] | None) -> str | None:
@@ -221,9 +231,13 @@ def render(releases: Iterable[Release], recorded: Mapping[str, Mapping[str, Any]
     for r in releases:
         res = recorded.get(str(r.version), {})
         tags = ", ".join(t for t in r.tags if t in ("min", "latest", "oldest", "newest"))
+        faults, megatron_faults = _faults_cell(res.get("cpu")), _megatron_faults_cell(res.get("cpu"))
+        if "latest" not in r.tags:  # the fault suites run on the minor's latest listed patch (versions.toml)
+            latest = max(o.version for o in releases if o.minor == r.minor)
+            faults = megatron_faults = f"run on {latest} (the minor's latest patch)"
         lines.append(f"| {r.version} | {tags} | {r.python} | {_limits_cell(r)} | {_install_cell(r)} | "
-                     f"{_result_cell(res.get('cpu'))} | {_faults_cell(res.get('cpu'))} | "
-                     f"{_megatron_faults_cell(res.get('cpu'))} | {_checkpoints_cell(res.get('cpu'))} | "
+                     f"{_result_cell(res.get('cpu'))} | {faults} | "
+                     f"{megatron_faults} | {_checkpoints_cell(res.get('cpu'))} | "
                      f"{_generated_cell(res.get('cpu'))} | "
                      f"{_result_cell(res.get('gpu'))} | {_cell(r.notes)} |")
     timing_rows = [row for r in releases
