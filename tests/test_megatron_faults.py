@@ -116,3 +116,7 @@ def test_megatron_fault_is_caught(outcome: dict[str, Any], name: str) -> None:
     assert verdict["status"] == "caught", (
         f"{name} acted {verdict['acted']} time(s) ({verdict['notes'][:2]}) but none of {sorted(fault.must_fail)} "
         f"failed; failed: {verdict['failed']}\n{report.render()}")
+    directional = [c for c in report.failed if c.name == "grads_match_directional_derivatives"]
+    if directional:  # bisected down to single parameters, each named with the numbers that fail it
+        named = directional[0].numbers.get("params", [])
+        assert any(" (the " in n and "params from" not in n for n in named), (name, named)

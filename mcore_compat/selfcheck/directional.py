@@ -32,7 +32,8 @@ stream per TP shard of a partitioned parameter, the same on every rank for a rep
 directions ``v`` = all blocks' ``v_b`` together. A fault that changes a gradient by ``f`` shows as ``<f, v>``
 (N(0, |f|²)): the report states each part's ``bound / |g|``, the relative change above which a typical direction
 sees it. Where a part fails, the failing direction is bisected over the parameter blocks down to single
-parameters, which the failure names (part 1 with four float64 forwards per node, part 2 from the sums alone);
+parameters, which the failure names (part 1 with four float64 forwards for the first half of each node, the second
+half's ``D`` by linearity - the node's less the first half's, their bounds added -; part 2 from the sums alone);
 ``D = 0`` within the bound with ``<g64, v> != 0`` is a forward that does not read the parameter at all.
 
 ``loss_matches_float64``: each micro-batch's loss of the real step equals the float64 copy's at the current
@@ -51,7 +52,7 @@ Cost (this is why it is an option, ``check_training_step(..., finite_differences
 run): the float64 copy of this rank's params and their gradients (16 bytes per element: 8x the param bytes of a
 bf16 model), one float64 forward and backward of the step's micro-batches and ``1 + 4·DIRECTIONS`` float64
 forwards (float64 runs at a fraction of bf16's speed on an accelerator), plus four forwards per bisection node of
-a part-1 failure.
+a part-1 failure (at most :data:`MAX_BISECT_NODES`).
 """
 
 from __future__ import annotations
@@ -589,45 +590,65 @@ class FiniteDifferences:
             return [Check(_NAME, True, detail, facts), loss_check]
         k = failing[0]
         r = results[k]
-        named = self._bisect(evaluate if r.backward_fails() else compare, everything, k)
+
+        def derive(subset: list[int], k: int, parent: _Eval, sibling: _Eval) -> _Eval:
+            """``subset``, the parent's blocks less the sibling's, without a forward: ``D`` by linearity
+            (the parent's less the sibling's), the two finite-difference bounds added."""
+            a, b64, gnorm = sums(subset, k)
+            fd = parent.fd_bound + sibling.fd_bound
+            return _Eval(a, b64, parent.d - sibling.d, fd, fd + K_SIGMA * G64_RHO * gnorm, K_SIGMA * rho * gnorm,
+                         gnorm)
+
+        if r.backward_fails():
+            named = self._bisect(evaluate, everything, k, r, derive)
+        else:
+            named = self._bisect(compare, everything, k, r, None)
         text = "; ".join(named[:6]) + (f"; and {len(named) - 6} more" if len(named) > 6 else "")
         what = ("the backward disagrees with the forward" if r.backward_fails()
                 else "the step's gradient disagrees with the float64 copy's")
         detail = f"direction {k}: {r.why()}; {what} on: {text}"
         return [Check(_NAME, False, detail, {**facts, "params": named}), loss_check]
 
-    def _bisect(self, evaluate: Callable[[list[int], int], _Eval], subset: list[int], k: int) -> list[str]:
-        """The blocks of ``subset`` whose gradient disagrees with the forward along direction ``k``: each half
-        evaluated, the failing ones bisected further, at most :data:`MAX_BISECT_NODES` evaluations (every rank
-        makes the same choices: the sums are global)."""
+    def _bisect(self, evaluate: Callable[[list[int], int], _Eval], subset: list[int], k: int, top: _Eval,
+                derive: Callable[[list[int], int, _Eval, _Eval], _Eval] | None) -> list[str]:
+        """The blocks of ``subset`` whose gradient disagrees with the forward along direction ``k`` (``top``: the
+        evaluation of the whole ``subset``): each node's first half evaluated, its second derived from the node and
+        the first half (``derive``, no forward; where ``derive`` is None, evaluated too), the failing ones bisected
+        further, at most :data:`MAX_BISECT_NODES` evaluations (every rank makes the same choices: the sums are
+        global)."""
         out: list[str] = []
         budget = [MAX_BISECT_NODES]
 
-        def visit(part: list[int]) -> None:
+        def visit(part: list[int], here: _Eval) -> None:
             mid = len(part) // 2
-            bad = []
-            for half in (part[:mid], part[mid:]):
+            halves = (part[:mid], part[mid:])
+            results: list[_Eval | None] = []
+            for half in halves:
+                first = results[0] if results else None
+                if derive is not None and first is not None:
+                    results.append(derive(half, k, here, first))
+                    continue
                 if budget[0] <= 0:
-                    first = self.blocks[half[0]].name
-                    out.append(f"{first} (not evaluated: bisection budget spent)" if len(half) == 1 else
-                               f"{len(half)} params from {first} (not bisected: budget spent)")
+                    name = self.blocks[half[0]].name
+                    out.append(f"{name} (not evaluated: bisection budget spent)" if len(half) == 1 else
+                               f"{len(half)} params from {name} (not bisected: budget spent)")
+                    results.append(None)
                     continue
                 budget[0] -= 1
-                r = evaluate(half, k)
-                if r.fails():
-                    bad.append((half, r))
-            if not bad and budget[0] > 0:  # neither half alone exceeds its bound: name the set
+                results.append(evaluate(half, k))
+            bad = [(half, r) for half, r in zip(halves, results, strict=True) if r is not None and r.fails()]
+            if not bad and all(r is not None for r in results):  # neither half alone exceeds its bound: the set
                 out.append(f"{len(part)} params from {self.blocks[part[0]].name} to {self.blocks[part[-1]].name}")
             for half, r in bad:
                 if len(half) == 1:
                     out.append(f"{self.blocks[half[0]].name} ({r.why()})")
                 else:
-                    visit(half)
+                    visit(half, r)
 
         if len(subset) == 1:
-            out.append(f"{self.blocks[subset[0]].name} ({evaluate(subset, k).why()})")
+            out.append(f"{self.blocks[subset[0]].name} ({top.why()})")
         else:
-            visit(subset)
+            visit(subset, top)
         self._set([], 0, 0.0)
         return out
 
