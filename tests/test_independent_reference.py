@@ -19,7 +19,7 @@ from mcore_compat.launch import Group
 from mcore_compat.selfcheck import SelfCheckOptions
 from mcore_compat.selfcheck.report import merge_rank_checks
 
-pytestmark = pytest.mark.mcore
+pytestmark = [pytest.mark.mcore, pytest.mark.faults]  # a fault-injection suite (versions.toml)
 
 NAME = "independent_reference_matches"
 

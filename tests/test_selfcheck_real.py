@@ -342,9 +342,20 @@ def test_fault_fails_the_right_check(fault_sweep: dict[str, Report], case: str, 
 # ------------------------------------------------------------------------ check_training_step on the caller's model
 @pytest.fixture(scope="module")
 def own_model(rank_group: Group) -> dict[str, dict]:
+    """The clean cases (``OWN_MODEL``'s passing ones)."""
     import _own_model_scenarios as scenarios
 
-    return rank_group.run(scenarios.run_all, timeout=900)[0]
+    clean = tuple(c for c, (ok, _, _) in OWN_MODEL.items() if ok)
+    return rank_group.run(scenarios.run_all, args=(clean,), timeout=900)[0]
+
+
+@pytest.fixture(scope="module")
+def own_model_faults(rank_group: Group) -> dict[str, dict]:
+    """The injected faults (``OWN_MODEL``'s failing cases: tests marked ``faults``)."""
+    import _own_model_scenarios as scenarios
+
+    faults = tuple(c for c, (ok, _, _) in OWN_MODEL.items() if not ok)
+    return rank_group.run(scenarios.run_all, args=(faults,), timeout=900)[0]
 
 
 #: case -> (report ok, checks that must fail, checks that must not apply)
@@ -371,10 +382,11 @@ OWN_MODEL = {
 }
 
 
-@pytest.mark.parametrize("case", list(OWN_MODEL))
-def test_check_training_step_on_own_model(own_model: dict[str, dict], case: str) -> None:
-    result = own_model[case]
+@pytest.mark.parametrize("case", [c if ok else pytest.param(c, marks=pytest.mark.faults)
+                                  for c, (ok, _, _) in OWN_MODEL.items()])
+def test_check_training_step_on_own_model(request: pytest.FixtureRequest, case: str) -> None:
     ok, must_fail, not_applicable = OWN_MODEL[case]
+    result = request.getfixturevalue("own_model" if ok else "own_model_faults")[case]
     assert result["ok"] is ok, result["text"]
     statuses = result["checks"]
     assert {n for n, s in statuses.items() if s == "FAIL"} >= must_fail, result["text"]
