@@ -8,6 +8,9 @@
     loaded = mc.load_checkpoint("ckpt/step_100", chunks, optimizer, scheduler=sched)   # in place, every rank
     loaded.iteration, loaded.extra
 
+    mc.save_to_run("ckpt", 100, chunks, optimizer, scheduler=sched, keep_last=3)   # ckpt/iter_0000100 + tracker
+    mc.load_checkpoint("ckpt", chunks, optimizer, scheduler=sched)                  # the newest complete one
+
 One format on every release (:mod:`.manifest`): per-rank torch files and a JSON manifest; the optimizer state is
 stored per model parameter, so it reshards over data-parallel size (and, from the per-param TP record and the
 per-stage layer record beside the manifest, over tensor- or pipeline-parallel size) and loads on other releases. A refusal
@@ -26,8 +29,10 @@ from .errors import (
 from .inspect import inspect_checkpoint
 from .load import LoadedCheckpoint, load_checkpoint
 from .manifest import FORMAT, Manifest, read_manifest
+from .runs import RunCheckpoint, latest_checkpoint, run_checkpoints, save_to_run
 from .save import save_checkpoint
 
 __all__ = ["FORMAT", "CheckpointError", "CheckpointFormatError", "CheckpointInProgressError",
-           "CheckpointMismatchError", "CheckpointReshardError", "LoadedCheckpoint", "Manifest",
-           "inspect_checkpoint", "load_checkpoint", "read_manifest", "save_checkpoint"]
+           "CheckpointMismatchError", "CheckpointReshardError", "LoadedCheckpoint", "Manifest", "RunCheckpoint",
+           "inspect_checkpoint", "latest_checkpoint", "load_checkpoint", "read_manifest", "run_checkpoints",
+           "save_checkpoint", "save_to_run"]

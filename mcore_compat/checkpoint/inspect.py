@@ -12,8 +12,9 @@ from .files import verify_shard
 from .manifest import FORMAT, Manifest, read_manifest
 from .megatron_files import is_megatron_checkpoint
 from .megatron_inspect import FORMAT_NAME, inspect_megatron, render_megatron
+from .runs import is_run_directory, run_checkpoints, tracked_iteration
 
-__all__ = ["inspect_checkpoint", "render"]
+__all__ = ["inspect_checkpoint", "inspect_run", "render"]
 
 #: Who can load which part of a checkpoint of this format (the format is the same on every release).
 LOADABLE = {
@@ -67,12 +68,14 @@ def inspect_checkpoint(path: str | os.PathLike[str], verify: bool = False) -> di
     per dimension, yes or why not); ``checksums``: the algorithm, or ``None`` for a checkpoint written before
     checksums (nothing to verify). With ``verify``, ``verified``: per shard ``"ok"``, ``"no checksum recorded"`` or
     the mismatch (every shard's file read and hashed). For a directory Megatron's dist_checkpointing wrote:
-    :func:`~.megatron_inspect.inspect_megatron`.
+    :func:`~.megatron_inspect.inspect_megatron`; for a run directory: :func:`inspect_run`.
 
     Raises:
         CheckpointFormatError, CheckpointInProgressError: as :func:`~.load.load_checkpoint`.
     """
     root = Path(path)
+    if is_run_directory(root):  # iter_* checkpoints and a tracker
+        return inspect_run(root, verify)
     if is_megatron_checkpoint(root):  # written by Megatron's dist_checkpointing
         return inspect_megatron(root)
     manifest: Manifest = read_manifest(root)
@@ -96,8 +99,39 @@ def inspect_checkpoint(path: str | os.PathLike[str], verify: bool = False) -> di
     }
 
 
+def inspect_run(root: Path, verify: bool = False) -> dict[str, Any]:
+    """A run directory (:mod:`.runs`): ``{"run": path, "tracker": iteration or None, "newest_complete": path or None,
+    "checkpoints": [{"iteration", "path", "writer", "problem"}]}``, oldest first; with ``verify``, each complete
+    mcore_compat checkpoint's shards are checked too (``verified``: per shard, as for one checkpoint)."""
+    entries = run_checkpoints(root)
+    rows: list[dict[str, Any]] = []
+    for e in entries:
+        row: dict[str, Any] = {"iteration": e.iteration, "path": str(e.path), "writer": e.writer,
+                               "problem": e.problem}
+        if verify and e.complete and e.writer == "mcore_compat":
+            row["verified"] = _verify(e.path, read_manifest(e.path))
+        rows.append(row)
+    newest = next((e for e in reversed(entries) if e.complete), None)
+    return {"run": str(root), "tracker": tracked_iteration(root),
+            "newest_complete": None if newest is None else str(newest.path), "checkpoints": rows}
+
+
+def _render_run(info: dict[str, Any]) -> str:
+    lines = [f"run directory {info['run']}",
+             f"  tracker       {'iteration ' + str(info['tracker']) if info['tracker'] is not None else 'none'}",
+             f"  loads         {info['newest_complete'] or 'nothing: no complete checkpoint'}"]
+    for row in info["checkpoints"]:
+        state = "complete" if row["problem"] is None else f"NOT LOADABLE: {row['problem']}"
+        lines.append(f"  {Path(row['path']).name:16s} {row['writer']:13s} {state}")
+        for name, text in (row.get("verified") or {}).items():
+            lines.append(f"    {name:16s} {text}")
+    return "\n".join(lines)
+
+
 def render(info: dict[str, Any]) -> str:
     """The human-readable text of :func:`inspect_checkpoint`'s result."""
+    if "run" in info:
+        return _render_run(info)
     if info.get("format") == FORMAT_NAME:
         return render_megatron(info)
     m = info["manifest"]

@@ -35,6 +35,7 @@ from .files import verify_shard
 from .manifest import FORMAT, Manifest, ShardFile, read_manifest
 from .megatron_files import is_megatron_checkpoint
 from .pp import restage
+from .runs import is_run_directory, latest_checkpoint
 from .save import _gather
 from .state import leaves, main_params, named_params, param_key, restore_rng
 from .tp import Split, reshard, same_copies, splits
@@ -463,17 +464,54 @@ def _unplaced(plan: _Plan, used: list[set[str]]) -> None:
             "loads what both have)")
 
 
+def _newest_agreed(run: Path) -> Path:
+    """The newest complete checkpoint of the run directory ``run``, the same on every rank (collective)."""
+    chosen: str | None = None
+    problem: str | None = None
+    try:
+        chosen = str(latest_checkpoint(run)) if _rank() == 0 else _quiet_latest(run)
+    except CheckpointFormatError as exc:
+        problem = str(exc)
+    seen = _gather((chosen, problem))
+    problems = [p for _, p in seen if p is not None]
+    if problems:
+        raise CheckpointFormatError(problems[0])
+    choices = sorted({c for c, _ in seen if c is not None})
+    if len(choices) > 1:
+        raise CheckpointFormatError(f"the ranks see different newest checkpoints in {run} ({', '.join(choices)}): is "
+                                    "a save running there? Load one checkpoint directory by its name")
+    return Path(choices[0])
+
+
+def _quiet_latest(run: Path) -> str:
+    """:func:`.runs.latest_checkpoint` without its warnings (rank 0 gives them)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return str(latest_checkpoint(run))
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = None, *, scheduler: Any = None,
                     strict: bool = True, verify: bool = True) -> LoadedCheckpoint:
     """Load a checkpoint written by :func:`~.save.save_checkpoint` into the model chunks (and optimizer,
     scheduler), in place. Call it on every rank, after building the model and optimizer as for training.
+
+    A run directory (``iter_*`` checkpoints and a tracker, :mod:`.runs`) loads its newest complete checkpoint,
+    skipping newer incomplete ones with a one-line warning each (on rank 0).
 
     A directory Megatron's ``dist_checkpointing`` wrote (``metadata.json``, no mcore_compat manifest; Megatron-LM's
     checkpoints) loads its model weights through Megatron's own load, resharded by Megatron, and its scheduler;
     the optimizer is refused (:mod:`.megatron`, docs/checkpoints.md).
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory, or a run directory (its newest complete checkpoint).
         chunks: the DDP-wrapped model chunk, or the list of them.
         optimizer: the optimizer to load main params, Adam moments, step, param-group settings and grad scaler
             into; ``None`` loads the weights only.
@@ -502,6 +540,8 @@ def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
     """
     chunk_list = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     where = coords(len(chunk_list))
+    if is_run_directory(path):  # iter_* checkpoints and a tracker: the newest complete one (.runs)
+        path = _newest_agreed(Path(path))
     if is_megatron_checkpoint(Path(path)):  # written by Megatron-LM: its weights through Megatron's own load
         from .megatron import load_megatron
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 __all__ = ["add_parser", "run_inspect"]
@@ -40,7 +41,10 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(f"mcore-compat checkpoint inspect: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(info, indent=1) if args.json else render(info))
-    bad = [text for text in (info.get("verified") or {}).values() if text not in ("ok", "no checksum recorded")]
+    verified = dict(info.get("verified") or {})
+    for row in info.get("checkpoints") or ():  # a run directory: every complete checkpoint's shards
+        verified.update({f"{Path(row['path']).name}/{k}": v for k, v in (row.get("verified") or {}).items()})
+    bad = [text for text in verified.values() if text not in ("ok", "no checksum recorded")]
     if bad:
         print(f"mcore-compat checkpoint inspect: {bad[0]}", file=sys.stderr)
         return 1
