@@ -36,7 +36,7 @@ from .manifest import FORMAT, Manifest, ShardFile, read_manifest
 from .megatron_files import is_megatron_checkpoint
 from .pp import restage
 from .runs import is_run_directory, latest_checkpoint
-from .save import _gather
+from .save import _gather, wait_for_pending
 from .state import leaves, main_params, named_params, param_key, restore_rng
 from .tp import Split, reshard, same_copies, splits
 
@@ -538,6 +538,7 @@ def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
             per-stage layer record, experts, shapes that do not tile, e.g. another vocabulary padding, tied
             embedding copies that differ between the saved stages).
     """
+    wait_for_pending()  # a background save of this process is published first (collective)
     chunk_list = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     where = coords(len(chunk_list))
     if is_run_directory(path):  # iter_* checkpoints and a tracker: the newest complete one (.runs)

@@ -6,7 +6,8 @@ shard (written to a temporary name, hashed as written, fsynced, renamed); the re
 manifest (fsynced); the marker removed and the directory fsynced; then the staging directory renamed to the
 checkpoint's name (an older checkpoint there swapped out and removed only after that, :func:`.files.publish`) and
 the parent directory fsynced. A killed or failed save therefore leaves the previous checkpoint at ``path`` as it
-was, and a reader never sees a mix of two saves. Every error on any rank (before the first shard too: a path that
+was, and a reader never sees a mix of two saves. ``save_checkpoint_async`` does the same with the shard written
+by a thread of each rank after the state is copied to host memory; its handle's ``wait`` (collective) publishes. Every error on any rank (before the first shard too: a path that
 is a file, permission denied, a full disk) is agreed by all ranks and raised on each as one line naming the rank
 and the cause; the staging directory is removed then.
 """
@@ -17,6 +18,7 @@ import contextlib
 import errno
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +56,7 @@ from .pp import stage_record
 from .state import capture_rng, check_plain, model_state, optimizer_state
 from .tp import split_record
 
-__all__ = ["save_checkpoint"]
+__all__ = ["SaveHandle", "save_checkpoint", "save_checkpoint_async", "wait_for_pending"]
 
 
 def _dist() -> Any:
@@ -206,6 +208,8 @@ def save_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
     manifest records each parameter's split over TP (:mod:`.tp`) and each stage's transformer layer numbers
     (:mod:`.pp`), so that a load reshards over TP or PP size too.
 
+    A background save still running (:func:`save_checkpoint_async`) is completed first.
+
     Args:
         path: the checkpoint directory (on a filesystem every rank sees).
         chunks: the DDP-wrapped model chunk, or the list of them (virtual pipeline stages).
@@ -227,73 +231,196 @@ def save_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = 
             left (with the bytes needed and free), any other write error. The previous checkpoint at ``path`` is
             unchanged and the partial files are removed.
     """
-    chunk_list = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
-    durable = not unsafe_skip_fsync
-    root = Path(path)
-    where = coords(len(chunk_list))
-    stage: Path | None = None
-    status: str | None = None
-    try:
-        if extra is not None:
-            check_plain(extra)
-        if where.rank == 0:
-            stage = _start(root, durable)
-    except Exception as exc:  # every rank must learn of it, or the others would wait forever
-        status = f"rank {where.rank}: {describe(exc, root)}"
-    try:
-        _agree(f"saving {root}", status)
+    started = _Save.begin(path, chunks, optimizer, scheduler, extra, iteration, unsafe_skip_fsync)
+    started.write()
+    return started.conclude()
+
+
+def save_checkpoint_async(path: str | os.PathLike[str], chunks: Any, optimizer: Any = None, *,
+                          scheduler: Any = None, extra: dict[str, Any] | None = None, iteration: int | None = None,
+                          unsafe_skip_fsync: bool = False) -> SaveHandle:
+    """:func:`save_checkpoint` in the background: returns once this rank's state is copied to host memory (the
+    model, optimizer, scheduler, RNG states and ``extra``, so training may go on and change them), and a thread
+    of this rank writes, checksums and fsyncs its shard meanwhile. :meth:`SaveHandle.wait` - on every rank,
+    collective - then publishes the checkpoint (or raises the failure on every rank); a later save, sync or
+    background, waits for it first. Until it is published the previous checkpoint at ``path`` stays as it was,
+    also if the process dies meanwhile.
+
+    Args and Raises: as :func:`save_checkpoint` (a failure before the shard is written - the path, the state that
+    cannot be read - is raised here on every rank, one while writing by :meth:`SaveHandle.wait`).
+    """
+    started = _Save.begin(path, chunks, optimizer, scheduler, extra, iteration, unsafe_skip_fsync)
+    try:  # a rank whose state could not be copied: every rank hears it now, not at wait()
+        failed = started.entry if started.payload is None and isinstance(started.entry, str) else None
+        _agree(f"saving {started.root}", failed)
     except CheckpointError:
-        if stage is not None:
-            shutil.rmtree(stage, ignore_errors=True)
+        if started.where.rank == 0:
+            shutil.rmtree(started.stage, ignore_errors=True)
         raise
-    stage = stage_name(root)
-    entry: dict[str, Any] | str
-    tmp = stage / (shard_name(where.rank) + ".tmp")
-    needed: int | None = None
-    try:
-        file = stage / shard_name(where.rank)
-        payload = _payload(chunk_list, optimizer, scheduler, extra, iteration, where)
-        needed = _needed(payload)
-        sums = tensor_checksums(payload)
+    handle = SaveHandle(started)
+    _PENDING.append(handle)
+    return handle
+
+
+class SaveHandle:
+    """A background save of this rank (:func:`save_checkpoint_async`)."""
+
+    def __init__(self, save: _Save) -> None:
+        self.path = save.root
+        self._save = save
+        self._result: Path | None = None
+        self._error: CheckpointError | None = None
+        self._thread = threading.Thread(target=save.write, name="mcore_compat-checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        """Whether this rank's shard is written (the checkpoint is published by :meth:`wait`)."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        """Wait for this rank's shard, then publish the checkpoint (collective: call it on every rank). Returns the
+        checkpoint directory; raises the save's :class:`~.errors.CheckpointError` on every rank (again on a second
+        call)."""
+        if self._result is None and self._error is None:
+            self._thread.join()
+            with contextlib.suppress(ValueError):
+                _PENDING.remove(self)
+            try:
+                self._result = self._save.conclude()
+            except CheckpointError as exc:
+                self._error = exc
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+#: This process's background saves not yet published (at most one: a new save waits for it).
+_PENDING: list[SaveHandle] = []
+
+
+def wait_for_pending() -> None:
+    """Publish a background save still running (collective); a save or load calls it first."""
+    while _PENDING:
+        _PENDING[0].wait()
+
+
+class _Save:
+    """One save on this rank, in three parts: :meth:`begin` (collective: the staging directory, this rank's state
+    copied to host memory), :meth:`write` (local: this rank's shard written, checksummed, fsynced, renamed) and
+    :meth:`conclude` (collective: rank 0 writes the records and the manifest and publishes; every failure agreed)."""
+
+    def __init__(self, root: Path, stage: Path, where: Coords, payload: Any, records: dict[str, Any],
+                 meta: dict[str, Any], durable: bool) -> None:
+        self.root, self.stage, self.where, self.payload = root, stage, where, payload
+        self.records, self.meta, self.durable = records, meta, durable
+        self.entry: dict[str, Any] | str = f"rank {where.rank}: the shard was never written"
+
+    @classmethod
+    def begin(cls, path: str | os.PathLike[str], chunks: Any, optimizer: Any, scheduler: Any,
+              extra: dict[str, Any] | None, iteration: int | None, unsafe_skip_fsync: bool) -> _Save:
+        wait_for_pending()
+        chunk_list = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+        durable = not unsafe_skip_fsync
+        root = Path(path)
+        where = coords(len(chunk_list))
+        stage: Path | None = None
+        status: str | None = None
         try:
-            with _without_crc32():
-                torch.save(payload, tmp)
-        except RuntimeError as exc:  # torch reports a full disk as "unexpected pos" from its zip writer
-            if shutil.disk_usage(stage).free < needed:
-                raise OSError(errno.ENOSPC, "No space left on device", str(tmp)) from exc
+            if extra is not None:
+                check_plain(extra)
+            if where.rank == 0:
+                stage = _start(root, durable)
+        except Exception as exc:  # every rank must learn of it, or the others would wait forever
+            status = f"rank {where.rank}: {describe(exc, root)}"
+        try:
+            _agree(f"saving {root}", status)
+        except CheckpointError:
+            if stage is not None:
+                shutil.rmtree(stage, ignore_errors=True)
             raise
-        checksum = file_checksum(tmp)
-        if durable:
-            fsync_file(tmp)
-        del payload
-        os.replace(tmp, file)
-        first = where.tp == where.dp == where.ep == 0  # one rank per pipeline stage sends its record
-        entry = {"name": file.name, "bytes": file.stat().st_size, "coords": where.as_dict(),
-                 "splits": split_record(chunk_list) if first else {},
-                 "stage": stage_record(chunk_list) if first else None,
-                 "checksum": {"file": checksum, "tensors": sums}}
-    except Exception as exc:
-        entry = f"rank {where.rank}: {describe(exc, stage, needed)}"
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-    entries = _gather(entry)
-    failed = [e for e in entries if isinstance(e, str)]
-    status = None
-    if not failed and where.rank == 0:
+        stage = stage_name(root)
+        payload: Any = None
+        status = None
         try:
-            _finish(root, stage, entries, where, chunk_list, optimizer, scheduler, iteration, durable)
+            payload = _payload(chunk_list, optimizer, scheduler, _host_copy(extra), iteration, where)
+            first = where.tp == where.dp == where.ep == 0  # one rank per pipeline stage sends its record
+            records = {"splits": split_record(chunk_list) if first else {},
+                       "stage": stage_record(chunk_list) if first else None}
         except Exception as exc:
-            status = f"rank 0: {describe(exc, stage)}"
-    elif failed:
-        status = failed[0]
-    if status is not None and where.rank == 0:
-        shutil.rmtree(stage, ignore_errors=True)
-    _agree(f"saving {root}", status)
-    return root
+            status = f"rank {where.rank}: {describe(exc, stage)}"
+            records = {}
+        meta = {"distributed_optimizer": _distributed_optimizer(chunk_list), "has_optimizer": optimizer is not None,
+                "has_scheduler": scheduler is not None, "iteration": iteration}
+        save = cls(root, stage, where, payload, records, meta, durable)
+        if status is not None:
+            save.entry = status
+        return save
+
+    def write(self) -> None:
+        """This rank's shard (local; run in the writer thread of a background save)."""
+        if self.payload is None:  # begin failed here: conclude agrees on it
+            return
+        where, stage = self.where, self.stage
+        tmp = stage / (shard_name(where.rank) + ".tmp")
+        needed: int | None = None
+        try:
+            file = stage / shard_name(where.rank)
+            payload, self.payload = self.payload, None
+            needed = _needed(payload)
+            sums = tensor_checksums(payload)
+            try:
+                with _without_crc32():
+                    torch.save(payload, tmp)
+            except RuntimeError as exc:  # torch reports a full disk as "unexpected pos" from its zip writer
+                if shutil.disk_usage(stage).free < needed:
+                    raise OSError(errno.ENOSPC, "No space left on device", str(tmp)) from exc
+                raise
+            checksum = file_checksum(tmp)
+            if self.durable:
+                fsync_file(tmp)
+            del payload
+            os.replace(tmp, file)
+            self.entry = {"name": file.name, "bytes": file.stat().st_size, "coords": where.as_dict(),
+                          **self.records, "checksum": {"file": checksum, "tensors": sums}}
+        except Exception as exc:
+            self.entry = f"rank {where.rank}: {describe(exc, stage, needed)}"
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+
+    def conclude(self) -> Path:
+        """Every rank's shard known to rank 0, which writes the records and the manifest and publishes (collective);
+        a failure anywhere is raised on every rank and the staging directory removed."""
+        entries = _gather(self.entry)
+        failed = [e for e in entries if isinstance(e, str)]
+        status = None
+        if not failed and self.where.rank == 0:
+            try:
+                _finish(self.root, self.stage, entries, self.where, self.meta, self.durable)
+            except Exception as exc:
+                status = f"rank 0: {describe(exc, self.stage)}"
+        elif failed:
+            status = failed[0]
+        if status is not None and self.where.rank == 0:
+            shutil.rmtree(self.stage, ignore_errors=True)
+        _agree(f"saving {self.root}", status)
+        return self.root
 
 
-def _finish(root: Path, stage: Path, entries: list[Any], where: Coords, chunk_list: list[Any], optimizer: Any,
-            scheduler: Any, iteration: int | None, durable: bool) -> None:
+def _host_copy(value: Any) -> Any:
+    """``value`` with every tensor copied to host memory (``extra`` is the caller's: a background save must not see
+    it change)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _host_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_host_copy(v) for v in value)
+    return value
+
+
+def _finish(root: Path, stage: Path, entries: list[Any], where: Coords, meta: dict[str, Any],
+            durable: bool) -> None:
     """Rank 0: the records, checksums and manifest into ``stage``, the marker removed, then published."""
     shards = [e for e in entries if isinstance(e, dict)]
     sums = {"algorithm": ALGORITHM, "shards": {e["name"]: e.pop("checksum") for e in shards}}
@@ -302,9 +429,7 @@ def _finish(root: Path, stage: Path, entries: list[Any], where: Coords, chunk_li
     write_json(stage / CHECKSUMS, sums, durable)
     write_json(stage / MANIFEST, manifest_dict(
         format=FORMAT, format_version=FORMAT_VERSION, mcore_compat=__version__, megatron_core=_version(),
-        torch=torch.__version__, layout=where.layout(), distributed_optimizer=_distributed_optimizer(chunk_list),
-        has_optimizer=optimizer is not None, has_scheduler=scheduler is not None, iteration=iteration,
-        files=[ShardFile(**e) for e in shards]), durable)
+        torch=torch.__version__, layout=where.layout(), files=[ShardFile(**e) for e in shards], **meta), durable)
     (stage / MARKER).unlink()
     if durable:
         fsync_dir(stage)

@@ -1,0 +1,124 @@
+"""Background saves (``mcore_compat.save_checkpoint_async``) without Megatron: the state is copied when the call
+returns (training may change it at once), the previous checkpoint stays until ``wait`` publishes, a failure of the
+writer is raised by ``wait`` (on every rank, in one line), a process killed while its writer runs leaves the previous
+checkpoint loadable exactly, and a later save or load publishes a pending one first."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mcore_compat as mc
+from mcore_compat.checkpoint import read_manifest
+from mcore_compat.checkpoint import save as save_module
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _model(seed: int, width: int = 16) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(width, 8), torch.nn.Linear(8, 4))
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+def test_the_state_is_copied_when_the_call_returns(tmp_path: Path) -> None:
+    """The model and ``extra`` change right after the call; the checkpoint holds them as they were. Until ``wait``
+    the previous checkpoint is the one at the path."""
+    path = tmp_path / "ckpt"
+    mc.save_checkpoint(path, _model(1), iteration=1)
+    model, seen = _model(2), torch.arange(4)
+    handle = mc.save_checkpoint_async(path, model, extra={"seen": seen}, iteration=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    seen.add_(100)
+    assert read_manifest(path).iteration == 1  # not published yet (the writer may have finished: wait publishes)
+    assert handle.wait() == path and handle.done() and handle.wait() == path
+    target = _model(0)
+    loaded = mc.load_checkpoint(path, target)
+    assert loaded.iteration == 2 and _same(target, _model(2)) and torch.equal(loaded.extra["seen"], torch.arange(4))
+
+
+def test_a_writer_failure_is_raised_by_wait_and_keeps_the_previous_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "ckpt"
+    mc.save_checkpoint(path, _model(1), iteration=1)
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(args[1]))
+
+    monkeypatch.setattr(save_module.torch, "save", full)
+    handle = mc.save_checkpoint_async(path, _model(2), iteration=2)
+    for _ in range(2):  # raised again on a second wait
+        with pytest.raises(mc.CheckpointError) as info:
+            handle.wait()
+        assert "no space left on device" in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging directory left
+    target = _model(0)
+    assert mc.load_checkpoint(path, target).iteration == 1 and _same(target, _model(1))
+
+
+def test_a_later_save_or_load_publishes_the_pending_one_first(tmp_path: Path) -> None:
+    first = mc.save_checkpoint_async(tmp_path / "a", _model(1), iteration=1)
+    mc.save_checkpoint(tmp_path / "b", _model(2), iteration=2)  # waits for "a" first
+    assert read_manifest(tmp_path / "a").iteration == 1 and first.done()
+    mc.save_checkpoint_async(tmp_path / "c", _model(3), iteration=3)
+    target = _model(0)
+    assert mc.load_checkpoint(tmp_path / "c", target).iteration == 3 and _same(target, _model(3))
+
+
+_KILLED = """
+import os, signal, sys, torch, mcore_compat as mc
+path = sys.argv[1]
+torch.manual_seed(1)
+mc.save_checkpoint(path, torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4)), iteration=1)
+torch.manual_seed(2)
+big = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 4))
+mc.save_checkpoint_async(path, big, iteration=2)
+os.kill(os.getpid(), signal.SIGKILL)  # while the writer thread runs
+"""
+
+
+def test_a_process_killed_during_the_background_write_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", _KILLED, str(path)], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    target = _model(0)
+    assert mc.load_checkpoint(path, target).iteration == 1 and _same(target, _model(1))
+    mc.save_checkpoint(path, _model(3), iteration=3)  # the next save goes on (the killed one's staging removed)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def _two_ranks_async(path: str) -> dict[str, object]:
+    """On each of 2 gloo ranks: a background save, the model changed at once, wait, load."""
+    model = _model(5)
+    handle = mc.save_checkpoint_async(path, model, iteration=5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0)
+    handle.wait()
+    target = _model(0)
+    loaded = mc.load_checkpoint(path, target)
+    return {"iteration": loaded.iteration, "exact": _same(target, _model(5)),
+            "shards": [f.name for f in read_manifest(path).files]}
+
+
+def test_two_ranks_save_in_the_background(tmp_path: Path) -> None:
+    from mcore_compat.launch import Group
+
+    with Group(2) as group:
+        out = group.run(_two_ranks_async, args=(str(tmp_path / "ckpt"),), timeout=300)
+    assert all(r["iteration"] == 5 and r["exact"] for r in out), out
+    assert out[0]["shards"] == ["rank_00000.pt", "rank_00001.pt"], out[0]["shards"]
