@@ -91,7 +91,7 @@ CALIBRATION = {"float32": (1.1e-5, 2.3e-8), "bfloat16": (1.2e-2, 4.1e-5)}
 #: the float64 copy's gradient's relative rounding error allowed for, next to the finite difference's bound
 G64_RHO = 2.0**-30
 #: evaluations of ``L`` spent on bisecting a failure at most (four per node)
-MAX_BISECT_NODES = 16
+MAX_BISECT_NODES = 8
 #: roundings of the loss's dtype one evaluation of ``L`` is taken to err by
 _ROUNDINGS = 2.0**10
 
