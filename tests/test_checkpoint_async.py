@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,43 @@ def test_two_ranks_save_in_the_background(tmp_path: Path) -> None:
         out = group.run(_two_ranks_async, args=(str(tmp_path / "ckpt"),), timeout=300)
     assert all(r["iteration"] == 5 and r["exact"] for r in out), out
     assert out[0]["shards"] == ["rank_00000.pt", "rank_00001.pt"], out[0]["shards"]
+
+
+@pytest.fixture
+def small_filesystem(tmp_path: Path) -> Iterator[Path]:
+    """A real 2 MiB tmpfs (needs the right to mount: root in a container that allows it; skipped otherwise)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(where)], capture_output=True,
+                          text=True, check=False)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({(proc.stderr or proc.stdout).strip()[:120]}): the disk-full "
+                    "cases run simulated in tests/test_checkpoint_files.py")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_full_filesystem_keeps_the_previous_checkpoint(small_filesystem: Path, background: bool) -> None:
+    """On a real 2 MiB filesystem: a re-save that does not fit fails in one line saying so (the bytes needed and
+    free), leaves the previous checkpoint loadable exactly, and frees what it wrote."""
+    import shutil
+
+    path = small_filesystem / "ckpt"
+    mc.save_checkpoint(path, _model(1), iteration=1)
+    free = shutil.disk_usage(small_filesystem).free
+    torch.manual_seed(2)
+    big = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))  # about 4 MiB of weights
+    with pytest.raises(mc.CheckpointError) as info:
+        if background:
+            mc.save_checkpoint_async(path, big, iteration=2).wait()
+        else:
+            mc.save_checkpoint(path, big, iteration=2)
+    text = str(info.value)
+    assert "\n" not in text and "no space left on device" in text and "needs about" in text, text
+    assert sorted(p.name for p in small_filesystem.iterdir()) == ["ckpt"]
+    assert shutil.disk_usage(small_filesystem).free == free
+    target = _model(0)
+    assert mc.load_checkpoint(path, target).iteration == 1 and _same(target, _model(1))
