@@ -54,7 +54,7 @@ _PROTOCOL_RAISES: dict[tuple[str, str, str], str] = {
     ("mcore_compat.checkpoint.save", "_start", "NotADirectoryError"):
         "the OSError (ENOTDIR) mkdir would raise for a path that is a file, raised before anything is written; "
         "describe() turns it into the one line of the CheckpointError every rank raises",
-    ("mcore_compat.checkpoint.save", "save_checkpoint", "OSError"):
+    ("mcore_compat.checkpoint.save", "_Save.write", "OSError"):
         "torch's zip writer reports a full disk as a RuntimeError: re-raised as the ENOSPC OSError it is, caught "
         "two lines below and described (bytes needed and free) in the CheckpointError every rank raises",
 }

@@ -269,7 +269,7 @@ class SaveHandle:
         self.path = save.root
         self._save = save
         self._result: Path | None = None
-        self._error: CheckpointError | None = None
+        self._error: str | None = None
         self._thread = threading.Thread(target=save.write, name="mcore_compat-checkpoint-writer", daemon=True)
         self._thread.start()
 
@@ -288,9 +288,10 @@ class SaveHandle:
             try:
                 self._result = self._save.conclude()
             except CheckpointError as exc:
-                self._error = exc
+                self._error = str(exc)
+                raise
         if self._error is not None:
-            raise self._error
+            raise CheckpointError(self._error)
         assert self._result is not None
         return self._result
 
