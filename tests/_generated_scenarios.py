@@ -1272,8 +1272,7 @@ def update_differences_of(build: dict[str, Any], steps: int, mine: dict[str, Any
         bad.append(f"steps taken {mine['ok']} with loss scales {mine['scales']}, on the reference release "
                    f"{theirs['ok']} with {theirs['scales']}")
     lrs = {name: lr for name, (lr, _) in build_hyper(build, mine["shapes"]).items()}
-    tol = UPDATE_TOL.get(_precision(build), UPDATE_TOL["bf16"])
-    return bad + R.update_differences(mine, theirs, lrs, steps, tol, ULPS)
+    return bad + R.update_differences(mine, theirs, lrs, steps, update_tol(build), ULPS)
 
 
 # ------------------------------------------------------------------------------------------ the committed cases
@@ -1354,6 +1353,11 @@ UPDATE_TOL = {"fp32": 1e-4, "bf16": 2e-2}
 ULPS = 32
 
 
+def update_tol(build: dict[str, Any]) -> float:
+    """:data:`UPDATE_TOL` of ``build``'s precision (fp16 takes bf16's: its rounding is finer)."""
+    return UPDATE_TOL.get(_precision(build), UPDATE_TOL["bf16"])
+
+
 def _reference_mismatches(case: dict[str, Any], observed: dict[str, Any], ref: dict[str, Any]) -> list[str]:
     """``observed`` (one committed case) against the reference release's record ``ref``."""
     bad = R.close_tables(observed["schedule"]["seen"], ref["schedule"], _close, "schedule")
@@ -1361,8 +1365,7 @@ def _reference_mismatches(case: dict[str, Any], observed: dict[str, Any], ref: d
     if (update["refused"] is None) and ref_update is not None:
         build = case["build"]
         lrs = {name: lr for name, (lr, _) in build_hyper(build, update["shapes"]).items()}
-        bad += R.update_differences(update, ref_update, lrs, case["steps"],
-                                    UPDATE_TOL["bf16" if build["bf16"] else "fp32"], ULPS)
+        bad += R.update_differences(update, ref_update, lrs, case["steps"], update_tol(build), ULPS)
     return bad
 
 

@@ -6,7 +6,6 @@ checkpoint loadable exactly, and a later save or load publishes a pending one fi
 from __future__ import annotations
 
 import errno
-import os
 import signal
 import subprocess
 import sys
@@ -15,21 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_checkpoint_runs import _model, _same, child_env  # the same plain model, comparison, child env
 
 import mcore_compat as mc
 from mcore_compat.checkpoint import read_manifest
 from mcore_compat.checkpoint import save as save_module
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _model(seed: int, width: int = 16) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(width, 8), torch.nn.Linear(8, 4))
-
-
-def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
 
 
 def test_the_state_is_copied_when_the_call_returns(tmp_path: Path) -> None:
@@ -92,8 +81,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # while the writer thread runs
 
 def test_a_process_killed_during_the_background_write_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", _KILLED, str(path)], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", _KILLED, str(path)], env=child_env(), capture_output=True, text=True,
                           timeout=300, check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     target = _model(0)

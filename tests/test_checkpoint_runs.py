@@ -26,6 +26,11 @@ from mcore_compat.cli import main
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a child interpreter that imports this checkout's mcore_compat."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
 def _model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))
@@ -118,7 +123,7 @@ def test_a_writer_killed_anywhere_leaves_the_last_complete_checkpoint(tmp_path: 
     tracker, the retirement): every time, the run directory loads a checkpoint whose values are exactly the ones
     saved for its iteration, at least the last one the writer reported complete, and the next save goes on."""
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = child_env()
     rng = random.Random(1234)
     for trial in range(3):
         proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(run)], stdout=subprocess.PIPE, text=True, env=env)

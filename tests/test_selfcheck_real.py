@@ -20,6 +20,7 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import pytest
 from packaging.version import Version
@@ -178,14 +179,17 @@ def _cli_sweep() -> dict[str, SelfCheckOptions]:
     return {f"cli-{c.label()}": c for c in _sweep_configs_for(CLI_SWEEP_ARGS)}
 
 
+#: What every configuration of the module's sweeps runs: the tiny GPT, two steps.
+_SWEEP: dict[str, Any] = dict(model="gpt", steps=2)
+
+
 @pytest.fixture(scope="module")
 def sweep(rank_group: Group) -> dict[str, Report]:
     """The clean configurations (the standard sweep, the CLI's, coupled weight decay), in the warm ranks."""
-    common = dict(model="gpt", steps=2)
-    configs = {name: replace(c, **common) for name, c in _clean().items()}
+    configs = {name: replace(c, **_SWEEP) for name, c in _clean().items()}
     configs.update(_cli_sweep())
     if _coupled_unsupported() is None:
-        configs.update({name: replace(c, **common) for name, c in COUPLED.items()})
+        configs.update({name: replace(c, **_SWEEP) for name, c in COUPLED.items()})
     reports = run_sweep(list(configs.values()), 2, device="cpu", timeout=1800, group=rank_group)
     out = dict(zip(configs, reports, strict=True))
     target = os.environ.get("MCORE_COMPAT_SELFCHECK_REPORT")
@@ -199,7 +203,6 @@ def sweep(rank_group: Group) -> dict[str, Report]:
 def fault_sweep(rank_group: Group, sweep: dict[str, Report]) -> dict[str, Report]:
     """Every injected fault that can exist on this release, in its configuration and dtypes (only where the tests
     marked ``faults`` run: versions.toml's header); writes the score with the clean configurations'."""
-    common = dict(model="gpt", steps=2)
     configs = {}
     for name, case in FAULT_CASES.items():
         if not _applies(name):
@@ -207,7 +210,7 @@ def fault_sweep(rank_group: Group, sweep: dict[str, Report]) -> dict[str, Report
         fault = _fault(name)
         for dtype in case.dtypes:
             bind = fault in ("rebind_after_bind", "stale_binding")
-            configs[f"{name}-{dtype}"] = SelfCheckOptions(fault=fault, dtype=dtype, **common,
+            configs[f"{name}-{dtype}"] = SelfCheckOptions(fault=fault, dtype=dtype, **_SWEEP,
                                                           **{"bind": bind, **case.config})
     reports = run_sweep(list(configs.values()), 2, device="cpu", timeout=1800, group=rank_group)
     out = dict(zip(configs, reports, strict=True))

@@ -36,7 +36,7 @@ from .manifest import FORMAT, Manifest, ShardFile, read_manifest
 from .megatron_files import is_megatron_checkpoint
 from .pp import restage
 from .runs import is_run_directory, latest_checkpoint
-from .save import _gather, wait_for_pending
+from .save import _gather, _rank, wait_for_pending
 from .state import leaves, main_params, named_params, param_key, restore_rng
 from .tp import Split, reshard, same_copies, splits
 
@@ -490,12 +490,6 @@ def _quiet_latest(run: Path) -> str:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         return str(latest_checkpoint(run))
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def load_checkpoint(path: str | os.PathLike[str], chunks: Any, optimizer: Any = None, *, scheduler: Any = None,

@@ -187,7 +187,7 @@ def save_to_run(run_dir: str | os.PathLike[str], iteration: int, chunks: Any, op
             or ``keep_last``, or the tracker or the retirement failing (then the new checkpoint is complete and
             loadable).
     """
-    from .save import _agree, save_checkpoint
+    from .save import _agree, _rank, save_checkpoint
 
     if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
         raise CheckpointError(f"save_to_run: iteration must be an int >= 0, got {iteration!r}")
@@ -207,9 +207,3 @@ def save_to_run(run_dir: str | os.PathLike[str], iteration: int, chunks: Any, op
             status = f"rank 0: {path} is complete, but {exc.strerror or exc} ({exc.filename or root})"
     _agree("updating the run directory's tracker and retiring old checkpoints", status)
     return path
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -53,7 +53,7 @@ from .manifest import (
     write_json,
 )
 from .pp import stage_record
-from .state import capture_rng, check_plain, model_state, optimizer_state
+from .state import capture_rng, check_plain, host_copy, model_state, optimizer_state
 from .tp import split_record
 
 __all__ = ["SaveHandle", "save_checkpoint", "save_checkpoint_async", "wait_for_pending"]
@@ -63,6 +63,12 @@ def _dist() -> Any:
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank() -> int:
+    """This rank in the job's collectives (0 in a single process)."""
+    dist = _dist()
+    return 0 if dist is None else dist.get_rank()
 
 
 def _gather(obj: Any) -> list[Any]:
@@ -344,7 +350,7 @@ class _Save:
         payload: Any = None
         status = None
         try:
-            payload = _payload(chunk_list, optimizer, scheduler, _host_copy(extra), iteration, where)
+            payload = _payload(chunk_list, optimizer, scheduler, host_copy(extra), iteration, where)
             first = where.tp == where.dp == where.ep == 0  # one rank per pipeline stage sends its record
             records = {"splits": split_record(chunk_list) if first else {},
                        "stage": stage_record(chunk_list) if first else None}
@@ -406,18 +412,6 @@ class _Save:
             shutil.rmtree(self.stage, ignore_errors=True)
         _agree(f"saving {self.root}", status)
         return self.root
-
-
-def _host_copy(value: Any) -> Any:
-    """``value`` with every tensor copied to host memory (``extra`` is the caller's: a background save must not see
-    it change)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _host_copy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_host_copy(v) for v in value)
-    return value
 
 
 def _finish(root: Path, stage: Path, entries: list[Any], where: Coords, meta: dict[str, Any],

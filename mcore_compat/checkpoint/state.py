@@ -24,8 +24,8 @@ from ..layout.read import unwrap
 from .coords import Coords, is_expert
 from .errors import CheckpointError
 
-__all__ = ["PLAIN_TYPES", "capture_rng", "check_plain", "leaves", "main_params", "model_state", "named_params",
-           "optimizer_state", "param_key", "restore_rng"]
+__all__ = ["PLAIN_TYPES", "capture_rng", "check_plain", "host_copy", "leaves", "main_params", "model_state",
+           "named_params", "optimizer_state", "param_key", "restore_rng"]
 
 #: Values ``extra`` may hold (what ``torch.load(weights_only=True)`` reads back), besides dicts, lists and tuples.
 PLAIN_TYPES = (str, int, float, bool, type(None), torch.Tensor)
@@ -48,6 +48,16 @@ def check_plain(value: Any, where: str = "extra") -> None:
 
 def _cpu(value: Any) -> Any:
     return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+
+
+def host_copy(value: Any) -> Any:
+    """``value`` (dicts, lists and tuples of tensors and plain values) with every tensor copied to host memory: the
+    caller's ``extra``, which a background save must not see change."""
+    if isinstance(value, dict):
+        return {k: host_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(host_copy(v) for v in value)
+    return _cpu(value)
 
 
 def named_params(chunks: list[Any]) -> dict[Any, str]:
