@@ -106,8 +106,16 @@ def _configs(optimizer: Any) -> list[tuple[Any, Any]]:
     for opt in (optimizer, *getattr(optimizer, "chained_optimizers", ())):
         config = getattr(opt, "config", None)
         if config is not None:
-            out.append((config, getattr(opt, "optimizer", None)))
+            out.append((config, _inner(opt)))
     return out
+
+
+def _inner(opt: Any) -> Any:
+    """The torch optimizer ``opt`` wraps (``None`` for a chain of several: 0.16+'s ``ChainedOptimizer.optimizer``
+    asserts there is one, optimizer/optimizer.py)."""
+    if len(getattr(opt, "chained_optimizers", ()) or ()) > 1:
+        return None
+    return getattr(opt, "optimizer", None)
 
 
 def from_optimizer(optimizer: Any) -> dict[int, Configured | str]:

@@ -82,9 +82,20 @@ def _plain_copy(module: Any, share_weights: bool = False, dtype: Any = None,
     had = "__deepcopy__" in cls.__dict__
     previous = cls.__dict__.get("__deepcopy__")
     setattr(cls, "__deepcopy__", lambda self, _memo: self)
+    tensor_copy = torch.Tensor.__deepcopy__
+
+    def leaf_copy(self: Any, memo_: dict[int, Any]) -> Any:
+        # a tensor kept from the last forward (a MoE token dispatcher's routing map and probs) is not a graph
+        # leaf, which deepcopy refuses: the copy gets its value, detached
+        if self.grad_fn is not None:
+            return self.detach().clone()
+        return tensor_copy(self, memo_)
+
+    torch.Tensor.__deepcopy__ = leaf_copy  # type: ignore[method-assign]
     try:
         return copy.deepcopy(module, memo)
     finally:
+        torch.Tensor.__deepcopy__ = tensor_copy  # type: ignore[method-assign]
         if had:
             setattr(cls, "__deepcopy__", previous)
         else:
