@@ -51,6 +51,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # LinearWithGradAccumulationAndAsyncCommunication) on 0.4.0, 0.8.0 or 0.16.1, so no fault of it can act here
     "own-tp2": dict(tp=2, pp=1, sequence_parallel=False, distributed_optimizer=False, lr=1e-6, dropout=0.1,
                     decoupled_weight_decay=False),
+    # MoE with expert parallelism on the caller's model: 4 experts over EP=2 (DP=2), the all-gather token
+    # dispatcher (it gathers the tokens over the EP group: _GatherFromSequenceParallelRegion, 0.10+; its MoE
+    # variant before), the routing held at the step's choices in the float64 copy (selfcheck/routing_replay.py)
+    "own-moe-ep2": dict(tp=1, pp=1, distributed_optimizer=True, lr=1e-6, dropout=0.1, decoupled_weight_decay=False,
+                        experts=4, ep=2),
+    # PP=2 with tied embeddings on the caller's model: each stage's float64 copy, the activations sent between
+    # the stages; the tied weight's two copies moved along one direction
+    "own-pp2": dict(tp=1, pp=2, tie_embeddings=True, distributed_optimizer=True, lr=1e-6, dropout=0.1,
+                    decoupled_weight_decay=False),
     # the self-check's own run with finite differences (mcore-compat self-check --finite-differences): TP=2 with
     # sequence parallelism, the distributed optimizer, dropout 0.1 at lr 1e-6
     "fd-tp2-sp": dict(tp=2, pp=1, sequence_parallel=True, distributed_optimizer=True, lr=1e-6, dropout=0.1,
@@ -534,6 +543,59 @@ def _mapping_unreduced(real: Callable[..., Any], rec: Record, _t: Target) -> Cal
     return backward
 
 
+def _moe_gather_unreduced(real: Callable[..., Any], rec: Record, t: Target) -> Callable[..., Any]:
+    """The token gather's backward over the (tensor and) expert-parallel group keeps this rank's slice of its own
+    gradient instead of the reduce-scatter: the gradient of this rank's tokens from the experts of the other
+    EP ranks is lost (0.5-0.9's ``_GatherFromSequenceParallelRegionToMOE`` reduces over the group parallel_state
+    names; 0.10+'s ``_GatherFromSequenceParallelRegion`` over ``ctx.group``)."""
+    if "ToMOE" not in t.attr:
+        return _mapping_unreduced(real, rec, t)
+    torch = _torch()
+
+    def backward(ctx: Any, grad_output: Any, *rest: Any) -> Any:
+        local = grad_output.clone()
+        out = real(ctx, grad_output, *rest)
+        group = _ps().get_tensor_and_expert_parallel_group()
+        first = out[0] if isinstance(out, tuple) else out
+        if group.size() <= 1 or first.shape == local.shape:
+            rec.saw(False)
+            return out
+        mine = local.chunk(group.size(), 0)[group.rank()].contiguous()
+        rec.saw(not torch.equal(mine, first), "the MoE token gather's backward kept this rank's partial gradient")
+        return (mine, *out[1:]) if isinstance(out, tuple) else mine
+
+    return backward
+
+
+def _combine_grad_scaled(factor: float) -> Maker:
+    """The MoE token dispatcher's combine (the expert outputs put back in token order) returns its output
+    unchanged but passes the gradient back ``factor`` times too large (a wrong scale in a hand-written backward of
+    the dispatch: 1.01 is below the bf16 step's gradient bound)."""
+
+    def make(real: Callable[..., Any], rec: Record, _t: Target) -> Callable[..., Any]:
+        torch = _torch()
+
+        class Scaled(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, x: Any) -> Any:
+                return x.view_as(x)
+
+            @staticmethod
+            def backward(ctx: Any, grad: Any) -> Any:
+                rec.saw(bool(grad.count_nonzero()), f"the combine's gradient times {factor:g}")
+                return grad * factor
+
+        def combine(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = real(self, *args, **kwargs)
+            if isinstance(out, tuple):
+                return (Scaled.apply(out[0]), *out[1:])
+            return Scaled.apply(out)
+
+        return combine
+
+    return make
+
+
 _SINGLE: dict[str, Any] = {}
 
 
@@ -568,6 +630,8 @@ _CLIP = (Target(_OPT, "clip_grad_norm_fp32", ">=0.6,<0.8"), Target(_OPT, "clip_g
 _FD = frozenset({"grads_match_directional_derivatives"})
 _LINEAR_BACKWARD = (Target(_LAYERS, "LinearWithGradAccumulationAndAsyncCommunication.backward"),)
 _MAPPINGS = "megatron.core.tensor_parallel.mappings"
+_DISPATCH = "megatron.core.transformer.moe.token_dispatcher"
+_NO_MOE = "0.4 has no MoE token dispatcher (transformer/moe/ arrives in 0.5)"
 
 FAULTS: dict[str, MegatronFault] = {
     "grad_reduction_skipped": MegatronFault(
@@ -673,6 +737,25 @@ FAULTS: dict[str, MegatronFault] = {
         "the TP all-reduce of row-parallel outputs left out (the forward and backward agree: the replicas "
         "differ)", (Target(_LAYERS, "reduce_from_tensor_model_parallel_region"),), _no_tp_reduction, "own-tp2",
         frozenset({"replicas_identical", "grads_match_directional_derivatives", "loss_matches_float64"})),
+    "own_pp_wgrad_scaled_1pct": MegatronFault(
+        "the linear layers' backward returns its weight gradient 1% too large, on the caller's model at PP=2",
+        _LINEAR_BACKWARD, _wgrad_scaled(1.01), "own-pp2", _FD),
+    "own_pp_tied_embedding_allreduce_skipped": MegatronFault(
+        "the all-reduce of the tied embedding's gradient between the first and last pipeline stage skipped, on "
+        "the caller's model (the finalized gradient against the float64 copy's two stages)",
+        (Target(_FINALIZE, "_allreduce_word_embedding_grads"),), _reduce_reset(_model_grads), "own-pp2", _FD),
+    "own_moe_gather_backward_unreduced": MegatronFault(
+        "the MoE token dispatcher's gather over the expert-parallel group: its backward leaves out the "
+        "reduce-scatter (this rank's tokens lose the gradient from the other rank's experts)",
+        (Target(_MAPPINGS, "_GatherFromSequenceParallelRegionToMOE.backward", ">=0.5,<0.10"),
+         Target(_MAPPINGS, "_GatherFromSequenceParallelRegion.backward", ">=0.10")),
+        _moe_gather_unreduced, "own-moe-ep2", _FD, _NO_MOE),
+    "own_moe_combine_grad_scaled": MegatronFault(
+        "the MoE token dispatcher's combine passes its gradient back 1% too large (forward unchanged)",
+        (Target(_DISPATCH, "MoEDroplessTokenDispatcher.token_unpermutation", ">=0.5,<0.6"),
+         Target(_DISPATCH, "MoEAllGatherTokenDispatcher.token_unpermutation", ">=0.6,<0.13"),
+         Target(_DISPATCH, "MoEAllGatherTokenDispatcher.token_combine", ">=0.13")),
+        _combine_grad_scaled(1.01), "own-moe-ep2", _FD, _NO_MOE),
 }
 
 

@@ -18,7 +18,7 @@ CASES = {
     "good-bf16-snapshot": (1, "bf16", True),
     "step-maximize-snapshot": (1, "fp32", False),
     "good-pp2": (2, "fp32", True),
-    # finite_differences=True where it cannot run: both of its checks N/A with the reason (never a PASS)
+    # finite_differences=True through a pipeline of 2 stages with tied embeddings: both of its checks PASS
     "fd-pp2": (2, "fp32", True),
     "good-no-reference": (1, "fp32", False),
     "no-hook": (1, "fp32", True),

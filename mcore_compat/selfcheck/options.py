@@ -93,8 +93,9 @@ class SelfCheckOptions:
         finite_differences: also check the second step's gradients against the forward alone
             (:mod:`.directional`: ``grads_match_directional_derivatives``, ``loss_matches_float64``; off by
             default: a float64 copy of the model, one float64 backward and nine float64 forwards of the step).
-            Not applicable with pipeline parallelism, MoE experts or dropout the float64 copy cannot replay,
-            each report saying why.
+            Runs through pipeline stages and with MoE experts (the routing held at the step's choices); not
+            applicable with TransformerEngine layers, context parallelism or dropout the float64 copy cannot
+            replay, each report saying why.
     """
 
     nproc: int | None = None

@@ -156,7 +156,7 @@ def check_training_step(
             fd_checks = FiniteDifferences(chunks, verifier.view, verifier.groups, verifier.names,
                                           per_token_loss=bool(getattr(config, "calculate_per_token_loss", False))
                                           ).run(forward_step_func, batches, num_microbatches, stored or [],
-                                                verifier.loss_scale_now, verifier.rng)
+                                                verifier.loss_scale_now, verifier.rng, verifier.routing)
         else:
             from .directional import not_requested
 

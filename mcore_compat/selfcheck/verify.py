@@ -65,6 +65,7 @@ from .oracle import BOUND_TEXT, Rule, _is_tensor, branches, expected_step, rule_
 from .reference import GradReference, PlainReference, core_module
 from .report import Check
 from .rng_replay import RngReplay, unreplayable_reason
+from .routing_replay import RoutingReplay
 
 __all__ = ["StepVerifier", "named_trainable"]
 
@@ -311,6 +312,7 @@ class StepVerifier:
         self.snapshot_bytes = 0
         self.snapshot_host_bytes = 0
         self.rng = RngReplay(self.chunks)
+        self.routing = RoutingReplay(self.chunks)
         #: why the reference cannot draw the step's dropout masks (then no gradient comparison), or ``None``
         self.unreplayable = unreplayable_reason(self.chunks) if reference else None
         if reference:
@@ -389,8 +391,9 @@ class StepVerifier:
     # ------------------------------------------------------------------------------------------- steps
     def recording(self, forward_step_func: Callable[..., Any]) -> Callable[..., Any]:
         """The ``forward_step_func`` to give the real step: it records the random state before each micro-batch's
-        forward, for the reference to replay (the same dropout masks)."""
-        return self.rng.recording(forward_step_func)
+        forward, for the reference to replay (the same dropout masks), and a MoE model's routing choices, for the
+        float64 copy of :mod:`.directional` (:mod:`.routing_replay`)."""
+        return self.routing.recording(self.rng.recording(forward_step_func))
 
     @own_tensor_math
     def before_step(self) -> None:
@@ -416,6 +419,7 @@ class StepVerifier:
         if not self.stream:
             self._start_host_snapshot()
         self.rng.start_step()
+        self.routing.start_step()
 
     def _start_host_snapshot(self) -> None:
         """On CUDA, start copying the :data:`HOST_SNAPSHOT` part of the snapshot to the host (it overlaps the

@@ -411,7 +411,7 @@ def _finite_differences(opts: SelfCheckOptions, chunks: list[Any], cfg: Any, ver
     fd = FiniteDifferences(chunks, verifier.view, verifier.groups, verifier.names,
                            per_token_loss=bool(getattr(cfg, "calculate_per_token_loss", False)), seed=opts.seed)
     return fd.run(models.forward_step(opts), per_chunk, models.MICROBATCHES, stored or [], verifier.loss_scale_now,
-                  verifier.rng)
+                  verifier.rng, verifier.routing)
 
 
 def _loss_check(verifier: StepVerifier) -> Check:
