@@ -113,7 +113,8 @@ _LAZY_ATTRS.update({name: ("mcore_compat.lifecycle", name)
                     for name in ("offload", "reload", "offloaded", "OffloadError", "release_host_buffers")})
 _LAZY_ATTRS.update({name: ("mcore_compat.checkpoint", name)
                     for name in ("save_checkpoint", "load_checkpoint", "inspect_checkpoint", "CheckpointError",
-                                 "LoadedCheckpoint", "save_to_run", "latest_checkpoint", "save_checkpoint_async")})
+                                 "LoadedCheckpoint", "save_to_run", "latest_checkpoint", "save_checkpoint_async",
+                                 "save_to_run_async")})
 
 
 def __getattr__(name: str) -> Any:

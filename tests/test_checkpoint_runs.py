@@ -148,6 +148,54 @@ def test_a_writer_killed_anywhere_leaves_the_last_complete_checkpoint(tmp_path: 
     assert not [p.name for p in run.iterdir() if p.name.startswith(".")], _names(run)
 
 
+_ASYNC_WRITER = """
+import os, sys, torch, mcore_compat as mc
+from mcore_compat.checkpoint import runs
+run = sys.argv[1]
+start = max([e.iteration for e in runs.run_checkpoints(run)] if os.path.isdir(run) else [], default=0) + 1
+handle = None
+for n in range(start, start + 100000):
+    torch.manual_seed(n)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
+    handle = mc.save_to_run_async(run, n, model, extra={"n": n}, keep_last=2)  # waits for the previous one first
+    with torch.no_grad():  # training goes on: the state was copied
+        for p in model.parameters():
+            p.add_(1.0)
+    if n % 2:
+        handle.wait()
+        print(n, flush=True)
+"""
+
+
+def test_a_background_writer_killed_anywhere_leaves_the_last_published_checkpoint(tmp_path: Path) -> None:
+    """The same with background saves into the run directory (``save_to_run_async``, the model changed while the
+    writer thread runs, every other save published by ``wait()`` and the others by the next save): SIGKILL at
+    random moments - in the host copy, the writer thread, the publication, the tracker, the retirement - always
+    leaves a run directory that loads exactly the values saved for its iteration, at least the last one
+    ``wait()`` returned for."""
+    run = tmp_path / "run"
+    env = child_env()
+    rng = random.Random(4321)
+    for trial in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", _ASYNC_WRITER, str(run)], stdout=subprocess.PIPE, text=True,
+                                env=env)
+        assert proc.stdout is not None
+        first = int(proc.stdout.readline())
+        time.sleep(rng.uniform(0.0, 0.25))
+        proc.send_signal(signal.SIGKILL)
+        reported = [first] + [int(line) for line in proc.stdout.read().split()]
+        proc.wait()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            target = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
+            loaded = mc.load_checkpoint(run, target)
+        n = loaded.iteration
+        torch.manual_seed(n)
+        expected = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
+        assert n >= reported[-1] and runs.latest_checkpoint(run).name == runs.ITERATION_DIR.format(n), (trial, n)
+        assert loaded.extra["n"] == n and _same(target, expected), (trial, n)
+
+
 def _two_ranks(run: str) -> dict[str, object]:
     """On each of 2 gloo ranks (data-parallel replicas of one plain module): two saves into the run directory
     (keep_last=1), a load of it, then a save whose tracker cannot be written (a directory in its way)."""

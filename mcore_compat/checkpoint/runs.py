@@ -24,15 +24,18 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointError, CheckpointFormatError
 from .files import fsync_dir, fsync_file
 from .manifest import MANIFEST, MARKER, marker_state, read_manifest
 from .megatron_files import is_megatron_checkpoint
 
+if TYPE_CHECKING:
+    from .save import SaveHandle
+
 __all__ = ["ITERATION_DIR", "TRACKER", "RunCheckpoint", "is_run_directory", "latest_checkpoint", "run_checkpoints",
-           "save_to_run", "tracked_iteration"]
+           "save_to_run", "save_to_run_async", "tracked_iteration"]
 
 #: A checkpoint's directory in a run directory (Megatron-LM's ``get_checkpoint_name``).
 ITERATION_DIR = "iter_{:07d}"
@@ -164,6 +167,30 @@ def _sweep_stale_stages(root: Path) -> list[Path]:
     return removed
 
 
+def _arguments(iteration: Any, keep_last: Any, what: str) -> None:
+    if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
+        raise CheckpointError(f"{what}: iteration must be an int >= 0, got {iteration!r}")
+    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+        raise CheckpointError(f"{what}: keep_last must be an int >= 1 or None, got {keep_last!r}")
+
+
+def _update_run(root: Path, iteration: int, path: Path, keep_last: int | None, durable: bool) -> None:
+    """Rank 0: the tracker, the retirement and the sweep of killed saves' staging directories, once ``path`` is
+    complete; the outcome agreed by every rank (collective)."""
+    from .save import _agree, _rank
+
+    status = None
+    if _rank() == 0:
+        try:
+            _write_tracker(root, iteration, durable)
+            if keep_last is not None:
+                _retire(root, keep_last, path, durable)
+            _sweep_stale_stages(root)
+        except OSError as exc:
+            status = f"rank 0: {path} is complete, but {exc.strerror or exc} ({exc.filename or root})"
+    _agree("updating the run directory's tracker and retiring old checkpoints", status)
+
+
 def save_to_run(run_dir: str | os.PathLike[str], iteration: int, chunks: Any, optimizer: Any = None, *,
                 scheduler: Any = None, extra: dict[str, Any] | None = None, keep_last: int | None = None,
                 unsafe_skip_fsync: bool = False) -> Path:
@@ -187,23 +214,33 @@ def save_to_run(run_dir: str | os.PathLike[str], iteration: int, chunks: Any, op
             or ``keep_last``, or the tracker or the retirement failing (then the new checkpoint is complete and
             loadable).
     """
-    from .save import _agree, _rank, save_checkpoint
+    from .save import save_checkpoint
 
-    if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
-        raise CheckpointError(f"save_to_run: iteration must be an int >= 0, got {iteration!r}")
-    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
-        raise CheckpointError(f"save_to_run: keep_last must be an int >= 1 or None, got {keep_last!r}")
+    _arguments(iteration, keep_last, "save_to_run")
     root = Path(run_dir)
     path = save_checkpoint(root / ITERATION_DIR.format(iteration), chunks, optimizer, scheduler=scheduler,
                            extra=extra, iteration=iteration, unsafe_skip_fsync=unsafe_skip_fsync)
-    status = None
-    if _rank() == 0:
-        try:
-            _write_tracker(root, iteration, not unsafe_skip_fsync)
-            if keep_last is not None:
-                _retire(root, keep_last, path, not unsafe_skip_fsync)
-            _sweep_stale_stages(root)
-        except OSError as exc:
-            status = f"rank 0: {path} is complete, but {exc.strerror or exc} ({exc.filename or root})"
-    _agree("updating the run directory's tracker and retiring old checkpoints", status)
+    _update_run(root, iteration, path, keep_last, not unsafe_skip_fsync)
     return path
+
+
+def save_to_run_async(run_dir: str | os.PathLike[str], iteration: int, chunks: Any, optimizer: Any = None, *,
+                      scheduler: Any = None, extra: dict[str, Any] | None = None, keep_last: int | None = None,
+                      unsafe_skip_fsync: bool = False) -> SaveHandle:
+    """:func:`save_to_run` in the background: returns once this rank's state is copied to host memory
+    (:func:`~.save.save_checkpoint_async`); :meth:`~.save.SaveHandle.wait` (every rank, collective) publishes
+    ``iter_<iteration>``, then rank 0 rewrites the tracker and retires old checkpoints. Until then the tracker
+    and the earlier checkpoints stay as they were, also if the process dies meanwhile; a later save or load
+    waits for it first.
+
+    Args and Raises: as :func:`save_to_run` (a bad ``iteration`` or ``keep_last`` is raised here; a failure
+    while writing, publishing or updating the tracker by :meth:`~.save.SaveHandle.wait`, on every rank).
+    """
+    from .save import save_checkpoint_async
+
+    _arguments(iteration, keep_last, "save_to_run_async")
+    root = Path(run_dir)
+    handle = save_checkpoint_async(root / ITERATION_DIR.format(iteration), chunks, optimizer, scheduler=scheduler,
+                                   extra=extra, iteration=iteration, unsafe_skip_fsync=unsafe_skip_fsync)
+    handle._then = lambda path: _update_run(root, iteration, path, keep_last, not unsafe_skip_fsync)
+    return handle

@@ -19,6 +19,7 @@ import errno
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +277,8 @@ class SaveHandle:
         self._save = save
         self._result: Path | None = None
         self._error: str | None = None
+        #: collective work after the checkpoint is published (a run directory's tracker: runs.save_to_run_async)
+        self._then: Callable[[Path], None] | None = None
         self._thread = threading.Thread(target=save.write, name="mcore_compat-checkpoint-writer", daemon=True)
         self._thread.start()
 
@@ -292,7 +295,10 @@ class SaveHandle:
             with contextlib.suppress(ValueError):
                 _PENDING.remove(self)
             try:
-                self._result = self._save.conclude()
+                result = self._save.conclude()
+                if self._then is not None:
+                    self._then(result)
+                self._result = result
             except CheckpointError as exc:
                 self._error = str(exc)
                 raise
