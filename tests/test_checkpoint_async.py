@@ -6,6 +6,7 @@ checkpoint loadable exactly, and a later save or load publishes a pending one fi
 from __future__ import annotations
 
 import errno
+import random
 import signal
 import subprocess
 import sys
@@ -88,6 +89,92 @@ def test_a_process_killed_during_the_background_write_keeps_the_previous_checkpo
     assert mc.load_checkpoint(path, target).iteration == 1 and _same(target, _model(1))
     mc.save_checkpoint(path, _model(3), iteration=3)  # the next save goes on (the killed one's staging removed)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+_RANK = """
+import datetime, os, signal, sys, threading, time, torch, torch.distributed as dist
+rank, path, store, mode, point = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+import mcore_compat as mc
+from mcore_compat.checkpoint import save as save_module
+torch.manual_seed(1)
+mc.save_checkpoint(path, torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4)), iteration=1)
+torch.manual_seed(2)
+big = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))
+
+def die(*_args, **_kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if rank == 1:
+    if point == "copy":  # while its state is copied to host memory
+        save_module._payload = die
+    elif point == "write":  # inside its shard's torch.save
+        save_module.torch.save = die
+    elif point == "conclude":  # before it tells rank 0 its shard
+        save_module._Save.conclude = die
+    elif point == "published":  # after the last exchange: rank 0 publishes, then hears nothing
+        def conclude(self):
+            save_module._gather(self.entry)
+            die()
+        save_module._Save.conclude = conclude
+    else:  # a random moment
+        threading.Timer(float(point), die).start()
+start = time.monotonic()
+try:
+    if mode == "async":
+        mc.save_checkpoint_async(path, big, iteration=2).wait()
+    else:
+        mc.save_checkpoint(path, big, iteration=2)
+    print("OK", flush=True)
+except mc.CheckpointError as exc:
+    print("ERROR", round(time.monotonic() - start, 1), str(exc), flush=True)
+time.sleep(1.0)  # a late kill finds rank 1 here
+"""
+
+_POINTS = ["copy", "write", "conclude", "published", "random"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("point", _POINTS)
+def test_a_rank_killed_during_a_save_leaves_the_survivor_an_error_and_the_last_checkpoint(
+        tmp_path: Path, mode: str, point: str) -> None:
+    """2 processes in one gloo group; rank 1 is SIGKILLed during a save - copying its state, inside its shard's
+    write, before it reports its shard, after the last exchange, or at a random moment (0-0.3 s). Rank 0 never
+    hangs: it returns, or raises one CheckpointError line naming the dead peer within seconds (saying whether the
+    new checkpoint was published); the path loads a complete checkpoint exactly - the previous one unless the new
+    one was published - with no staging directory left behind."""
+    where = f"{random.Random(f'{mode}-{point}').uniform(0.0, 0.3):.3f}" if point == "random" else point
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(tmp_path / "ckpt"), str(tmp_path / "store"),
+                               mode, where], env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in (0, 1)]
+    out0, err0 = procs[0].communicate(timeout=240)
+    procs[1].communicate(timeout=60)
+    assert procs[0].returncode == 0, err0[-2000:]
+    assert procs[1].returncode == -signal.SIGKILL, where  # rank 1 died as planned
+    line = out0.strip().splitlines()[-1]
+    published = read_manifest(tmp_path / "ckpt").iteration == 2
+    if line.startswith("ERROR"):
+        assert float(line.split()[1]) < 30 and "stopped answering" in line and "\n" not in line, line
+        assert ("is complete and published" in line) == published, line
+        assert published or "the previous checkpoint there is unchanged" in line, line
+    else:
+        assert line == "OK" and published and point == "random", out0
+    if point in ("copy", "write", "conclude"):
+        assert not published, line
+    if point == "published":
+        assert published, line
+    torch.manual_seed(0)
+    target = _big() if published else _model(0)
+    loaded = mc.load_checkpoint(tmp_path / "ckpt", target)
+    torch.manual_seed(2)
+    assert loaded.iteration == (2 if published else 1), where
+    assert _same(target, _big() if published else _model(1)), where
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "store") == ["ckpt"], where
+
+
+def _big() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))
 
 
 def _two_ranks_async(path: str) -> dict[str, object]:

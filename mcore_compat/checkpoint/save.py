@@ -73,18 +73,19 @@ def _rank() -> int:
 
 
 def _gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (collective). A rank that died or stopped answering (the process group's error, e.g.
+    gloo's "Connection closed by peer", NCCL's timeout) is raised as a :class:`CheckpointError` naming it."""
     dist = _dist()
     if dist is None:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    try:
+        dist.all_gather_object(out, obj)
+    except RuntimeError as exc:  # torch.distributed.DistBackendError is one
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise CheckpointError(f"rank {dist.get_rank()}: the other ranks stopped answering - a rank died or hangs "
+                              f"({first})") from exc
     return out
-
-
-def _barrier() -> None:
-    dist = _dist()
-    if dist is not None:
-        dist.barrier()
 
 
 #: What a checkpoint directory may hold; a save refuses to replace a directory holding anything else.
@@ -126,9 +127,16 @@ def _needed(payload: Any) -> int:
     return 0
 
 
-def _agree(what: str, status: str | None) -> None:
-    """Raise on every rank the first rank's failure of ``what`` (``status``: this rank's one-line failure)."""
-    failed = [s for s in _gather(status) if s is not None]
+def _agree(what: str, status: str | None, kept: bool = False) -> None:
+    """Raise on every rank the first rank's failure of ``what`` (``status``: this rank's one-line failure);
+    ``kept``: a save's exchange before anything is published (a dead peer's error says the previous checkpoint
+    is unchanged)."""
+    try:
+        gathered = _gather(status)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{what} failed: {exc}"
+                              + ("; the previous checkpoint there is unchanged" if kept else "")) from exc
+    failed = [s for s in gathered if s is not None]
     if failed:
         raise CheckpointError(f"{what} failed on {len(failed)} rank(s): {failed[0]}")
 
@@ -259,7 +267,7 @@ def save_checkpoint_async(path: str | os.PathLike[str], chunks: Any, optimizer: 
     started = _Save.begin(path, chunks, optimizer, scheduler, extra, iteration, unsafe_skip_fsync)
     try:  # a rank whose state could not be copied: every rank hears it now, not at wait()
         failed = started.entry if started.payload is None and isinstance(started.entry, str) else None
-        _agree(f"saving {started.root}", failed)
+        _agree(f"saving {started.root}", failed, kept=True)
     except CheckpointError:
         if started.where.rank == 0:
             shutil.rmtree(started.stage, ignore_errors=True)
@@ -347,7 +355,7 @@ class _Save:
         except Exception as exc:  # every rank must learn of it, or the others would wait forever
             status = f"rank {where.rank}: {describe(exc, root)}"
         try:
-            _agree(f"saving {root}", status)
+            _agree(f"saving {root}", status, kept=True)
         except CheckpointError:
             if stage is not None:
                 shutil.rmtree(stage, ignore_errors=True)
@@ -404,19 +412,32 @@ class _Save:
     def conclude(self) -> Path:
         """Every rank's shard known to rank 0, which writes the records and the manifest and publishes (collective);
         a failure anywhere is raised on every rank and the staging directory removed."""
-        entries = _gather(self.entry)
+        try:
+            entries = _gather(self.entry)
+        except CheckpointError as exc:  # a peer died: nothing is published, the staging directory goes
+            if self.where.rank == 0:
+                shutil.rmtree(self.stage, ignore_errors=True)
+            raise CheckpointError(f"saving {self.root} failed: {exc}; the previous checkpoint there is "
+                                  "unchanged") from exc
         failed = [e for e in entries if isinstance(e, str)]
         status = None
+        published = False
         if not failed and self.where.rank == 0:
             try:
                 _finish(self.root, self.stage, entries, self.where, self.meta, self.durable)
+                published = True
             except Exception as exc:
                 status = f"rank 0: {describe(exc, self.stage)}"
         elif failed:
             status = failed[0]
         if status is not None and self.where.rank == 0:
             shutil.rmtree(self.stage, ignore_errors=True)
-        _agree(f"saving {self.root}", status)
+        try:
+            _agree(f"saving {self.root}", status, kept=not published)
+        except CheckpointError as exc:
+            if published:  # a peer died after the last exchange: the checkpoint is complete all the same
+                raise CheckpointError(f"{self.root} is complete and published, but then {exc}") from exc
+            raise
         return self.root
 
 
