@@ -63,6 +63,39 @@ def file_checksum(path: Path) -> str:
     return str(h.hexdigest())
 
 
+class HashingWriter:
+    """A binary file open for writing that checksums (:data:`ALGORITHM`) what is written through it, as it is
+    written (``torch.save`` writes a shard sequentially through ``write``): the shard's checksum without reading
+    the file back. ``hexdigest()`` equals :func:`file_checksum` of the file once closed."""
+
+    def __init__(self, path: Path) -> None:
+        self._fh = open(path, "wb")  # closed by close() / the context manager
+        self._h = _hasher()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self._h.update(view)
+        return self._fh.write(view)
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    def fileno(self) -> int:
+        return self._fh.fileno()
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def hexdigest(self) -> str:
+        return str(self._h.hexdigest())
+
+    def __enter__(self) -> HashingWriter:
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        self.close()
+
+
 def _tensor_checksum(t: torch.Tensor) -> str:
     h = _hasher()
     data = t.detach().contiguous().reshape(-1)

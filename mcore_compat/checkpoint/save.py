@@ -30,10 +30,9 @@ from .coords import Coords, coords
 from .errors import CheckpointError
 from .files import (
     ALGORITHM,
+    HashingWriter,
     describe,
-    file_checksum,
     fsync_dir,
-    fsync_file,
     publish,
     stage_name,
     tensor_checksums,
@@ -391,15 +390,16 @@ class _Save:
             needed = _needed(payload)
             sums = tensor_checksums(payload)
             try:
-                with _without_crc32():
-                    torch.save(payload, tmp)
+                with _without_crc32(), HashingWriter(tmp) as out:  # the file's checksum as it is written
+                    torch.save(payload, out)  # type: ignore[arg-type]  # a file-like with write/flush
+                    out.flush()
+                    if self.durable:
+                        os.fsync(out.fileno())
+                    checksum = out.hexdigest()
             except RuntimeError as exc:  # torch reports a full disk as "unexpected pos" from its zip writer
                 if shutil.disk_usage(stage).free < needed:
                     raise OSError(errno.ENOSPC, "No space left on device", str(tmp)) from exc
                 raise
-            checksum = file_checksum(tmp)
-            if self.durable:
-                fsync_file(tmp)
             del payload
             os.replace(tmp, file)
             self.entry = {"name": file.name, "bytes": file.stat().st_size, "coords": where.as_dict(),
