@@ -1,15 +1,16 @@
-"""Static read of one Megatron-Core release's public surface: its public modules and the names each binds.
+"""Static read of one Megatron-Core release's surface: its modules and every name each binds.
 
 Used by ``scripts/gen_surface.py`` (which writes ``mcore_compat/_surface_data.py`` from every release's wheel) and
 by the release sessions' check of that data against the installed tree (``tests/test_surface_data_real.py``).
 Nothing is imported: every file is read with ``ast``.
 
-What is read: every ``megatron/core/**.py`` file and package directory whose dotted path has no component
-starting with ``_``; per module, the public names (not starting with ``_``) bound at module level (into
-``if``/``try``/``with`` blocks, not into ``if TYPE_CHECKING:``): classes, functions, assignments, re-exports from
-``megatron`` (``from megatron.core.x import y [as z]``, relative or absolute, ``import megatron.core.x as z``,
-``from x import *``), and names of ``__all__`` imported from outside Megatron. A re-export has the kind of what it
-names (:class:`Entry`).
+What is read: every ``megatron/core/**.py`` file and package directory (private ones too: a client imports
+``megatron.core._rank_utils``); per module, every name a client can import from it: the names bound at module
+level (into ``if``/``try``/``with`` blocks, not into ``if TYPE_CHECKING:``), public, private and dunder alike
+(``__version__``, ``_fork_rng``): classes, functions, assignments, re-exports from ``megatron`` (``from
+megatron.core.x import y [as z]``, relative or absolute, ``import megatron.core.x as z``, ``from x import *``),
+imports from outside Megatron (``from torch.utils.checkpoint import detach_variable``, ``import torch``: kind
+``import``), and the names ``__all__`` lists. A re-export has the kind of what it names (:class:`Entry`).
 """
 
 from __future__ import annotations
@@ -37,19 +38,31 @@ class Release:
     @classmethod
     def from_wheel(cls, wheel: Path) -> Release:
         with zipfile.ZipFile(wheel) as zf:
-            return cls({n: zf.read(n) for n in zf.namelist() if n.startswith(PREFIX) and n.endswith(".py")})
+            return cls({n: (zf.read(n) if n.endswith(".py") else b"") for n in zf.namelist()
+                        if n.startswith(PREFIX) and (n.endswith(".py") or is_extension(n))})
 
     @classmethod
     def from_tree(cls, root: Path) -> Release:
-        return cls({p.relative_to(root).as_posix(): p for p in (root / "megatron" / "core").rglob("*.py")})
+        return cls({p.relative_to(root).as_posix(): p for p in (root / "megatron" / "core").rglob("*")
+                    if p.suffix == ".py" or is_extension(p.name)})
 
     def source(self, path: str) -> str:
         data = self.files[path]
         return (data.read_bytes() if isinstance(data, Path) else data).decode("utf-8")
 
 
+def is_extension(path: str) -> bool:
+    """A compiled extension module (``helpers_cpp.cpython-311-x86_64-linux-gnu.so``, 0.10+'s dataset helpers):
+    a module of its own, whose names cannot be read without importing it."""
+    return path.endswith((".so", ".pyd"))
+
+
 def module_of(path: str) -> str:
-    """``megatron/core/a/b.py`` -> ``megatron.core.a.b``; ``megatron/core/a/__init__.py`` -> ``megatron.core.a``."""
+    """``megatron/core/a/b.py`` -> ``megatron.core.a.b``; ``megatron/core/a/__init__.py`` -> ``megatron.core.a``;
+    ``megatron/core/a/c.cpython-311-x86_64-linux-gnu.so`` -> ``megatron.core.a.c``."""
+    if is_extension(path):
+        head, _, leaf = path.rpartition("/")
+        path = f"{head}/{leaf.split('.')[0]}.py"
     parts = path.removesuffix(".py").split("/")
     if parts[-1] == "__init__":
         parts.pop()
@@ -159,6 +172,8 @@ def read_module(name: str, package: bool, source: str) -> ModuleRead:
                 if a.asname:
                     binds[a.asname] = Binding(ref=(a.name, None)) if a.name.startswith("megatron.") \
                         else Binding("import")
+                elif a.name.split(".")[0] != "megatron":  # `import torch.nn` binds torch
+                    binds[a.name.split(".")[0]] = Binding("import")
         elif isinstance(stmt, ast.ImportFrom):
             source_module = _from_module(name, package, stmt)
             if source_module is None:
@@ -192,7 +207,9 @@ class ReleaseSurface:
         self.release = release
         self._files: dict[str, str | None] = {}  # module -> its file (None: a directory without __init__.py)
         for path in release.files:
-            self._files[module_of(path)] = path
+            known = self._files.get(module_of(path))
+            if known is None or (is_extension(known) and not is_extension(path)):  # a .py file wins
+                self._files[module_of(path)] = path
         for name in list(self._files):
             parts = name.split(".")
             for i in range(3, len(parts)):
@@ -201,8 +218,8 @@ class ReleaseSurface:
         self._resolving: set[tuple[str, str]] = set()
         self._entries: dict[tuple[str, str], Entry | None] = {}
         self._names: dict[str, dict[str, Entry]] = {}
-        #: public module -> whether it is a package
-        self.modules: dict[str, bool] = {m: self._is_package(m) for m in sorted(self._files) if is_public(m)}
+        #: module (private ones too) -> whether it is a package
+        self.modules: dict[str, bool] = {m: self._is_package(m) for m in sorted(self._files)}
 
     def _is_package(self, module: str) -> bool:
         path = self._files[module]
@@ -214,19 +231,19 @@ class ReleaseSurface:
             return None
         if module not in self._reads:
             path = self._files[module]
-            self._reads[module] = ModuleRead(module, True) if path is None else \
+            self._reads[module] = ModuleRead(module, path is None) if path is None or is_extension(path) else \
                 read_module(module, self._is_package(module), self.release.source(path))
         return self._reads[module]
 
     def names_of(self, module: str) -> dict[str, Entry]:
-        """The public names of one public module (parsing only the files it re-exports from)."""
+        """The importable names of one module (parsing only the files it re-exports from)."""
         if module not in self._names:
-            self._names[module] = self.public_names(module)
+            self._names[module] = self.module_names(module)
         return self._names[module]
 
     @cached_property
     def names(self) -> dict[str, dict[str, Entry]]:
-        """The public names of every public module (parses every file)."""
+        """The importable names of every module (parses every file)."""
         return {m: self.names_of(m) for m in self.modules}
 
     def entry(self, module: str, name: str) -> Entry | None:
@@ -280,22 +297,18 @@ class ReleaseSurface:
             return read.all_names
         return [n for n in read.bindings if not n.startswith("_")]
 
-    def public_names(self, module: str) -> dict[str, Entry]:
+    def module_names(self, module: str) -> dict[str, Entry]:
+        """Every name ``from module import name`` finds: its bindings (private, dunder and imports from outside
+        Megatron included), the names its ``import *`` statements bring, the names ``__all__`` lists."""
         read = self.read(module)
         assert read is not None
-        candidates = [n for n in read.bindings if not n.startswith("_")]
+        candidates = list(read.bindings)
         for star in read.stars:
             candidates += self.star_names(star)
-        candidates += [n for n in read.all_names or () if not n.startswith("_")]
+        candidates += list(read.all_names or ())
         out: dict[str, Entry] = {}
-        listed = set(read.all_names or ())
         for name in dict.fromkeys(candidates):
             found = self.entry(module, name)
-            if found is None:
-                continue
-            binding = read.bindings.get(name)
-            external = binding is not None and binding.kind == "import"
-            if external and name not in listed:
-                continue  # an import from outside megatron that the module does not export
-            out[name] = found
+            if found is not None:
+                out[name] = found
         return out

@@ -1,4 +1,4 @@
-"""Megatron-Core's public modules and names in every supported release, and where each name moved.
+"""Megatron-Core's modules and importable names in every supported release, and where each name moved.
 
 The data is generated from the release wheels by ``scripts/gen_surface.py`` (``mcore_compat/_surface_data.py``:
 ``ast``, nothing imported) and checked against the installed release in every matrix session. This module answers
@@ -105,7 +105,7 @@ def _module_row(module: str) -> tuple[bool, str] | None:
 
 
 def modules(release: str | Version | None = None) -> list[str]:
-    """The public modules of ``release`` (of any release read when ``None``), sorted."""
+    """The modules of ``release`` (of any release read when ``None``), sorted."""
     if release is None:
         return sorted(_data().MODULES)
     return sorted(m for m in _data().MODULES if _has_module(m, _v(release)))
@@ -129,7 +129,7 @@ def _has_module(module: str, version: str) -> bool:
 
 
 def has_module(module: str, release: str | Version) -> bool:
-    """Whether ``release`` has the public module ``module``."""
+    """Whether ``release`` has the module ``module``."""
     return _has_module(module, _v(release))
 
 
@@ -173,7 +173,7 @@ def kind(module: str, name: str, release: str | Version) -> str | None:
 
 
 def names(module: str, release: str | Version | None = None, *, submodules: bool = True) -> dict[str, str]:
-    """``name -> kind`` of the public names at ``module`` in ``release`` (in any release read when ``None``:
+    """``name -> kind`` of the importable names at ``module`` in ``release`` (in any release read when ``None``:
     the kind of the newest release that has it); with ``submodules``, a package's submodules too (as
     ``"module"``), else only the names the module binds."""
     if not submodules:

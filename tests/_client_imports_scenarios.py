@@ -46,10 +46,19 @@ def check_clients() -> dict[str, Any]:
     release = installed_release()
     out: dict[str, Any] = {"release": release, "clients": {}}
     for client, pairs in load().items():
-        raw_ok, failed, moved, moved_failed = 0, [], 0, []
+        raw_ok, failed, moved, moved_failed, verdicts = 0, [], 0, [], []
         for mirror_module, name in pairs:
             raw_module = real_path(mirror_module)
-            ok, _ = _resolve(raw_module, name)
+            ok, why_not = _resolve(raw_module, name)
+            # the scan's verdict (the surface data) against the real import: 'raw' exactly where it imports; a
+            # failure counts as absent where Megatron's module or name is missing, not where the module fails to
+            # import for want of another package (TransformerEngine, apex on this CPU machine)
+            said = surface.locate(raw_module, name, release)
+            says_raw = said is not None and not said.moved
+            absent = not ok and "No module named 'megatron." in why_not
+            if (ok and not says_raw) or (absent and says_raw):
+                verdicts.append(f"{raw_module}.{name}: the data says {'raw' if says_raw else 'not raw'}, the import "
+                                f"{'works' if ok else 'fails: ' + why_not}")
             if ok:
                 raw_ok += 1
                 good, why = _resolve(mirror_module, name)
@@ -63,5 +72,5 @@ def check_clients() -> dict[str, Any]:
                 if not good:
                     moved_failed.append(f"{raw_module}.{name} (moved to {where.module}): {why}")
         out["clients"][client] = {"pairs": len(pairs), "raw_ok": raw_ok, "mirror_failed": failed,
-                                  "moved": moved, "moved_failed": moved_failed}
+                                  "moved": moved, "moved_failed": moved_failed, "verdicts_wrong": verdicts}
     return out

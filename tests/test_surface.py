@@ -66,20 +66,25 @@ READER_CASE = {
 
 def test_the_reader_finds_modules_and_packages() -> None:
     read = _release(READER_CASE)
-    assert read.modules == {"megatron.core": True, "megatron.core.nsdir": True, "megatron.core.nsdir.leaf": False,
-                            "megatron.core.parallel_state": False, "megatron.core.pkg": True,
-                            "megatron.core.pkg.mod": False}
+    # private modules too: a client imports megatron.core._rank_utils
+    assert read.modules == {"megatron.core": True, "megatron.core._private_mod": False, "megatron.core.nsdir": True,
+                            "megatron.core.nsdir.leaf": False, "megatron.core.parallel_state": False,
+                            "megatron.core.pkg": True, "megatron.core.pkg.mod": False}
 
 
 def test_the_reader_kinds_and_reexports() -> None:
     read = _release(READER_CASE)
     kinds = {m: {n: e.kind for n, e in names.items()} for m, names in read.names.items()}
-    assert kinds["megatron.core.parallel_state"] == {"GROUP": "variable", "get_rank": "function"}
-    # try/except: the import that works binds last (here apex's, outside megatron: not exported); TYPE_CHECKING
-    # binds nothing; del unbinds; __all__ exports an import from outside megatron; a bare annotation binds nothing
-    assert kinds["megatron.core.pkg.mod"] == {"Thing": "class", "helper": "function", "nn": "import",
+    # every name a client can import: private and imported ones too (`import torch` binds torch)
+    assert kinds["megatron.core.parallel_state"] == {"torch": "import", "Optional": "import", "_PRIVATE": "variable",
+                                                     "GROUP": "variable", "get_rank": "function", "_Hidden": "class"}
+    # try/except: the import that works binds last (here apex's, outside megatron); TYPE_CHECKING binds nothing;
+    # del unbinds; a bare annotation binds nothing
+    assert kinds["megatron.core.pkg.mod"] == {"TYPE_CHECKING": "import", "torch": "import", "nn": "import",
+                                              "fused": "import", "Thing": "class", "helper": "function",
                                               "x": "variable", "y": "variable", "z": "variable", "w": "variable"}
     assert kinds["megatron.core.pkg"] == {"Thing": "class", "helper": "function", "nn": "import"}  # __all__ of *
+    assert kinds["megatron.core._private_mod"] == {"Secret": "class"}
     assert kinds["megatron.core"] == {"parallel_state": "module", "Alias": "class", "mpu2": "module",
                                       "mpu": "module"}
     assert read.names["megatron.core"]["Alias"].origin == ("megatron.core.pkg.mod", "Thing")
@@ -155,7 +160,7 @@ def test_every_range_is_valid_and_bounded_by_releases() -> None:
         for key, names in groups.items():
             kind, _, ranges = key.partition(" ")
             assert kind in surface.KINDS and _starts(ranges) <= bounds, (module, key)
-            assert names.split() == sorted(names.split()) and all(not n.startswith("_") for n in names.split())
+            assert names.split() == sorted(names.split()) and all(n.isidentifier() for n in names.split())
 
 
 def test_a_name_is_at_a_module_only_in_releases_that_have_the_module() -> None:
@@ -203,3 +208,40 @@ def test_names_include_submodules_and_kinds() -> None:
     assert "megatron.core.optimizer" in surface.modules("0.6.0") and surface.is_package("megatron.core.optimizer")
     assert surface.releases_having_module("megatron.core.distributed.custom_fsdp") == ("0.12.0", "0.12.3", "0.13.0",
                                                                                       "0.13.1")
+
+
+#: Names released clients import that the data once lacked (dunder, private, re-exported from torch, a private
+#: module): every one is in the data from the release that has it, so scan says raw and the mirror reaches it.
+CLIENT_NAMES = {
+    ("megatron.core", "__version__"): "0.8.0-0.19.2",
+    ("megatron.core.package_info", "__version__"): "0.4.0-0.19.2",
+    ("megatron.core.tensor_parallel.random", "detach_variable"): "0.4.0-0.19.2",
+    ("megatron.core.tensor_parallel.random", "_set_all_rng_states"): "0.12.0-0.19.2",
+    ("megatron.core.dist_checkpointing.strategies.async_utils", "_disable_gc"): "0.12.0-0.19.2",
+    ("megatron.core._rank_utils", "safe_get_rank"): "0.16.0-0.19.2",
+}
+
+
+@pytest.mark.parametrize(("module", "name"), list(CLIENT_NAMES))
+def test_private_dunder_and_imported_names_are_in_the_data(module: str, name: str) -> None:
+    found = surface.releases_having(module, name)
+    assert found, (module, name)
+    expected = CLIENT_NAMES[(module, name)]
+    if expected is not None:
+        assert surface.range_summary(found) == expected
+
+
+def test_a_name_a_later_release_has_is_said_so_by_the_mirror() -> None:
+    from mcore_compat._mirror import _unavailable
+
+    text = _unavailable("megatron.core.dist_checkpointing.strategies.async_utils", "_disable_gc", "0.8.0")["message"]
+    assert text.endswith("releases 0.12.0-0.19.2 have it"), text
+    assert "no supported release" not in text
+
+
+def test_a_compiled_extension_module_is_a_module() -> None:
+    assert surface.releases_having_module("megatron.core.datasets.helpers_cpp")[0] == "0.10.0"
+    read = _release({"__init__.py": "", "datasets/__init__.py": "", "datasets/helpers.py": "X = 1\n",
+                     "datasets/helpers.cpython-311-x86_64-linux-gnu.so": "", "datasets/fast.cpython-311.so": ""})
+    assert read.modules["megatron.core.datasets.fast"] is False and read.names["megatron.core.datasets.fast"] == {}
+    assert set(read.names["megatron.core.datasets.helpers"]) == {"X"}  # the .py file wins over an .so
