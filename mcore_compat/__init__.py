@@ -86,6 +86,20 @@ def _source_checkout_path() -> None:
 
 _source_checkout_path()
 
+
+def _fold_from_environment() -> None:
+    """``MCORE_COMPAT_FOLD_WARNINGS=1``: Megatron's and torch's known-harmless warnings folded into one line
+    (:mod:`mcore_compat.quiet`), from before Megatron is imported."""
+    import os
+
+    if os.environ.get("MCORE_COMPAT_FOLD_WARNINGS", "") not in ("", "0"):
+        from .quiet import fold_known_warnings
+
+        fold_known_warnings()
+
+
+_fold_from_environment()
+
 #: Public names provided by mcore_compat's own submodules, imported on first access.
 _LAZY_MODULE_ATTRS: dict[str, str] = {
     "patches": "mcore_compat.patches",
@@ -111,6 +125,7 @@ _LAZY_ATTRS.update({name: ("mcore_compat.binding", name)
                                  "ParamBinding", "StageBuffers", "BindingError", "Manifest")})
 _LAZY_ATTRS.update({name: ("mcore_compat.lifecycle", name)
                     for name in ("offload", "reload", "offloaded", "OffloadError", "release_host_buffers")})
+_LAZY_ATTRS["fold_known_warnings"] = ("mcore_compat.quiet", "fold_known_warnings")
 _LAZY_ATTRS.update({name: ("mcore_compat.checkpoint", name)
                     for name in ("save_checkpoint", "load_checkpoint", "inspect_checkpoint", "CheckpointError",
                                  "LoadedCheckpoint", "save_to_run", "latest_checkpoint", "save_checkpoint_async",

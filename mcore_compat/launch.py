@@ -216,6 +216,9 @@ def _fork_server_context(modules: tuple[str, ...]) -> Any:
 
 
 def _flush_and_exit(results: Any, code: int) -> None:
+    quiet = sys.modules.get("mcore_compat.quiet")
+    if quiet is not None:  # os._exit below runs no atexit handler: the folded warnings' line is said here
+        quiet._summary()
     results.close()
     results.join_thread()  # the last message must leave before the process does
     sys.stdout.flush()

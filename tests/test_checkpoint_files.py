@@ -97,13 +97,35 @@ def test_inspect_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert main(["checkpoint", "inspect", str(path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["model"][0]["1.bias"] == {"shape": [2], "dtype": "float32"} and info["iteration"] == 7
-    assert info["reshard"]["tp"].startswith("yes") and info["reshard"]["pp"].startswith("yes"), info["reshard"]
+    # a model without transformer layers: no stages to split (not "layers per saved stage: none")
+    assert info["reshard"]["tp"].startswith("yes") and info["reshard"]["pp"].startswith("not applicable"), \
+        info["reshard"]
     (path / man.PP_RECORD).unlink()  # as written before PP resharding
     assert main(["checkpoint", "inspect", str(path)]) == 0
     assert "PP         no: written without the pipeline record" in capsys.readouterr().out
     assert main(["checkpoint", "inspect", str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a directory" in err
+
+
+class _WithExtraState(torch.nn.Linear):
+    """A layer whose extra state is empty (TransformerEngine's layers keep ``_extra_state`` None without FP8)."""
+
+    def get_extra_state(self) -> object:
+        return None
+
+    def set_extra_state(self, state: object) -> None:
+        pass
+
+
+def test_inspect_text_of_a_small_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch.manual_seed(0)
+    mc.save_checkpoint(tmp_path / "ck", torch.nn.Sequential(_WithExtraState(4, 3)), iteration=1)
+    assert main(["checkpoint", "inspect", str(tmp_path / "ck")]) == 0
+    text = capsys.readouterr().out
+    assert "  shards        1 file, " in text, text
+    assert [ln.split() for ln in text.splitlines() if "_extra_state" in ln] == [["0._extra_state", "(empty)"]]
+    assert "PP         not applicable: the model has no transformer layers" in text, text
 
 
 def test_support_table_shows_the_checkpoint_matrix() -> None:

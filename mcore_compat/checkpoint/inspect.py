@@ -42,8 +42,11 @@ def _reshard(manifest: Manifest) -> dict[str, str]:
     else:
         stages = [sorted(c.get("layers", {}).values()) for s in sorted(manifest.pipeline)
                   for c in manifest.pipeline[s]]
-        spans = ", ".join(f"{n[0]}-{n[-1]}" if n else "none" for n in stages)
-        pp = f"yes, into a model without experts or virtual stages (layers per saved stage: {spans})"
+        if not any(stages):
+            pp = "not applicable: the model has no transformer layers to split into stages"
+        else:
+            spans = ", ".join(f"{n[0]}-{n[-1]}" if n else "none" for n in stages)
+            pp = f"yes, into a model without experts or virtual stages (layers per saved stage: {spans})"
     return {"dp": "yes (distributed optimizer on or off)", "tp": tp, "pp": pp,
             "ep": "no (export full weights with mcore_compat.gather_full)",
             "vpp": "no (export full weights with mcore_compat.gather_full)"}
@@ -144,13 +147,19 @@ def render(info: dict[str, Any]) -> str:
              f"  holds         model{', optimizer' if m['has_optimizer'] else ''}"
              f"{', scheduler' if m['has_scheduler'] else ''}, rng, iteration {m['iteration']}"
              f"{', extra ' + ','.join(info['extra']) if info['extra'] else ''}",
-             f"  shards        {len(m['files'])} files, {sum(f['bytes'] for f in m['files'])} bytes",
+             f"  shards        {len(m['files'])} file{'s' if len(m['files']) != 1 else ''}, "
+             f"{sum(f['bytes'] for f in m['files'])} bytes",
              f"  checksums     {info.get('checksums') or 'none recorded (written before checksums): nothing to verify'}",
              f"  {info['shard']}:"]
     for i, chunk in enumerate(info["model"]):
         lines.append(f"    chunk {i}: {len(chunk)} entries")
         for name, d in chunk.items():
-            lines.append(f"      {name:60s} {d.get('dtype', d.get('type'))} {tuple(d.get('shape', ()))}")
+            if "dtype" in d:
+                lines.append(f"      {name:60s} {d['dtype']} {tuple(d['shape'])}")
+            elif d.get("type") == "NoneType":  # a module's empty extra state (TransformerEngine's _extra_state)
+                lines.append(f"      {name:60s} (empty)")
+            else:
+                lines.append(f"      {name:60s} {d.get('type')}")
     if info["optimizer"] is not None:
         lines.append(f"    optimizer: {len(info['optimizer'])} main params")
         for r in info["optimizer"]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import tempfile
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -203,9 +205,11 @@ def run(args: argparse.Namespace) -> int:
         return stop
     opts = _options(args)
     if args.sweep:
-        return _sweep(args, opts)
+        with _progress(args):
+            return _sweep(args, opts)
     try:
-        report = run_selfcheck(opts)
+        with _progress(args):
+            report = run_selfcheck(opts)
     except UsageError as exc:
         _error(str(exc))
         return EXIT_USAGE
@@ -221,6 +225,29 @@ def run(args: argparse.Namespace) -> int:
         if args.json is not None and not _write_json(args.json, report.to_json()):
             return EXIT_FAIL
     return 0 if report.ok else EXIT_FAIL
+
+
+@contextlib.contextmanager
+def _progress(args: argparse.Namespace) -> Iterator[None]:
+    """On a terminal (standard error is one, no ``--json``): the ranks' progress lines printed as they come, one
+    per configuration and per verified step (:mod:`mcore_compat.selfcheck.progress`); piped, nothing."""
+    if args.json is not None or not sys.stderr.isatty():
+        yield
+        return
+    from ..selfcheck.progress import ENV, Follower
+
+    fd, name = tempfile.mkstemp(prefix="mcore_compat-progress-", suffix=".txt")
+    os.close(fd)
+    before = os.environ.get(ENV)
+    os.environ[ENV] = name
+    try:
+        with Follower(Path(name), sys.stderr):
+            yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = before
 
 
 def _sweep_conflicts(args: argparse.Namespace) -> str | None:

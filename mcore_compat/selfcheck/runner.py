@@ -195,10 +195,12 @@ def _sweep_configs(configs: list[SelfCheckOptions], kept: set[Any]
     import torch.distributed as dist
 
     from ..launch import destroy_process_groups_since, process_groups
+    from . import progress
     from .worker import run_rank
 
     out: list[tuple[list[Check], dict[str, Any], str | None]] = []
     for index, opts in enumerate(configs):
+        progress.note(f"configuration {index + 1}/{len(configs)}: {opts.label()}")
         before = process_groups()
         try:
             checks, env = run_rank(opts)

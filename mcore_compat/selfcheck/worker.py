@@ -14,7 +14,7 @@ from typing import Any
 
 from .._optimizer_view import optimizer_view
 from .._own_math import own_tensor_math
-from . import models
+from . import models, progress
 from .configured import from_options
 from .full_gather import gather_full_check, inject_wrong_stride
 from .groups import gather_objects
@@ -350,6 +350,7 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
     per_chunk = [batches] * len(chunks)
     forward_step = _forward_step_for(opts)
     fd_checks: list[Check] = []
+    progress.note(f"{opts.label()}: built; training {opts.steps} step(s), each verified")
     for k in range(opts.steps):
         verifier.before_step()
         training.zero_grad_buffer(chunks, optimizer)
@@ -373,6 +374,7 @@ def run_rank(opts: SelfCheckOptions) -> tuple[list[Check], dict[str, Any]]:
         if gaps[k]:
             training.finish_param_sync(chunks, optimizer)  # nothing in flight while the memory is away
             cycles.run(gaps[k])
+        progress.note(f"{opts.label()}: step {k + 1}/{opts.steps} done")
     # the overlapped all-gather of the last step's params (and, on 0.6-0.8, the optimizer's process-wide hook)
     training.finish_param_sync(chunks, optimizer, keep_overlap=False)
     verifier.final_replicas()
