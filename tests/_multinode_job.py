@@ -1,0 +1,108 @@
+"""A user's training job for tests/test_multinode.py, run under torchrun (two "nodes" on one machine) or alone.
+
+    python -m torch.distributed.run --nnodes 2 ... tests/_multinode_job.py train RUN_DIR   # every node
+    python tests/_multinode_job.py load RUN_DIR                                           # one process
+
+``train``: the tiny GPT of the self-check's models (bf16, the distributed optimizer, data-parallel over every rank),
+one warm-up step, then ``check_training_step`` on the next (its verdict printed by global rank 0), then
+``save_to_run`` of model and optimizer; rank 0 also writes the full weights it saved (``RUN_DIR/weights.pt``: at
+TP=1 every rank holds them whole). ``load``: the same model on one process (DP=1, another size), the run directory
+loaded into it and its optimizer, the weights compared with ``weights.pt`` exactly, then one step trains.
+Prints one ``RESULT {json}`` line (global rank 0 only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+
+def _setup(world: int) -> tuple:
+    from mcore_compat import patches
+
+    patches.apply_for_device("cpu")
+    from mcore_compat import launch, symbols, training
+    from mcore_compat.selfcheck import SelfCheckOptions, models
+    from mcore_compat.selfcheck.worker import no_decay
+
+    launch.init_from_env()
+    opts = replace(SelfCheckOptions(model="gpt", dtype="bf16", lr=1e-3, distributed_optimizer=True, tp=1, pp=1,
+                                    bind=False, offload_cycles=0), nproc=world, device="cpu").resolved()
+    models.init_parallel(opts)
+    modules, _ = models.build_chunks(opts)
+    chunks = training.wrap_ddp(modules, ddp_config=models.ddp_config(opts))
+    optimizer = training.get_megatron_optimizer(models.optim_config(opts), chunks, no_weight_decay_cond=no_decay)
+    training.install_training_hooks(chunks, optimizer)
+    ps = symbols.resolve("parallel_state")
+    return opts, models, training, chunks, optimizer, ps
+
+
+def _step(opts, models, training, chunks, optimizer, ps) -> None:
+    batches = models.make_batches(opts, ps.get_data_parallel_rank())
+    training.zero_grad_buffer(chunks, optimizer)
+    training.forward_backward(models.forward_step(opts), iter(batches), chunks[0], models.MICROBATCHES,
+                              check_hooks=False, seq_length=models.SEQ, micro_batch_size=models.MICRO_BATCH)
+    training.optimizer_step(optimizer)
+    training.finish_param_sync(chunks, optimizer)
+
+
+def _weights(chunks) -> dict[str, torch.Tensor]:
+    from mcore_compat.selfcheck.reference import core_module
+
+    return {n: p.detach().float().clone() for n, p in core_module(chunks[0]).named_parameters()}
+
+
+def train(run: Path) -> dict:
+    import torch.distributed as dist
+
+    import mcore_compat as mc
+    from mcore_compat.selfcheck import check_training_step
+
+    world = int(os.environ["WORLD_SIZE"])
+    opts, models, training, chunks, optimizer, ps = _setup(world)
+    _step(opts, models, training, chunks, optimizer, ps)
+    batches = models.make_batches(opts, ps.get_data_parallel_rank())
+    report = check_training_step(chunks, optimizer, models.forward_step(opts), iter(batches),
+                                 num_microbatches=models.MICROBATCHES, seq_length=models.SEQ,
+                                 micro_batch_size=models.MICRO_BATCH)
+    mc.save_to_run(run, 2, chunks, optimizer, extra={"world": world})
+    if dist.get_rank() == 0:
+        torch.save(_weights(chunks), run / "weights.pt")
+    return {"world": world, "dp": ps.get_data_parallel_world_size(), "check_ok": report.ok,
+            "failed": [c.name for c in report.checks if c.failed], "ranks": _ranks()}
+
+
+def _ranks() -> list[tuple[int, int]]:
+    """(RANK, LOCAL_RANK) of every rank, gathered."""
+    import torch.distributed as dist
+
+    mine = (int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")))
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return sorted(out)
+
+
+def load(run: Path) -> dict:
+    import mcore_compat as mc
+
+    opts, models, training, chunks, optimizer, ps = _setup(1)
+    loaded = mc.load_checkpoint(run, chunks, optimizer)
+    saved = torch.load(run / "weights.pt")
+    now = _weights(chunks)
+    exact = sorted(saved) == sorted(now) and all(torch.equal(saved[n], now[n]) for n in saved)
+    _step(opts, models, training, chunks, optimizer, ps)
+    moved = any(not torch.equal(saved[n], v) for n, v in _weights(chunks).items())
+    return {"iteration": loaded.iteration, "extra": loaded.extra, "exact": exact, "trains": moved,
+            "dp": ps.get_data_parallel_world_size()}
+
+
+if __name__ == "__main__":
+    mode, where = sys.argv[1], Path(sys.argv[2])
+    result = train(where) if mode == "train" else load(where)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("RESULT " + json.dumps(result), flush=True)
