@@ -17,7 +17,7 @@ from ci.output import JobError, Out
 from ci.results import JobResult, junit_counts
 
 #: What pytest collects in every session: the suite and the PPO-actor example client (a real client).
-TEST_PATHS = ("tests", "examples/ppo_actor/tests", "README.md", "docs")  # *.md: the root conftest.py (Sybil)
+TEST_PATHS = ("tests", "examples/ppo_actor/tests", "examples/ray_rl/tests", "README.md", "docs")  # *.md: the root conftest.py (Sybil)
 #: pytest's exit status when it collected no test: the session fails (and counts as an error in the matrix).
 PYTEST_NO_TESTS = 5
 #: The versions.toml tag (and pytest marker) of the release sessions that also run the launcher tests.

@@ -50,8 +50,9 @@ else:  # pragma: no cover - nox on Python 3.10
     import tomli as _toml
 
 #: Test tools installed into every base, on top of its ``[base."3.x"].requirements`` (libcst: the tests of
-#: ``mcore-compat scan --fix``, the ``scan`` extra; hypothesis: the generated settings tests).
-TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3", "libcst==1.8.6", "sybil==9.1.0", "hypothesis==6.155.2")
+#: ``mcore-compat scan --fix``, the ``scan`` extra; hypothesis: the generated settings tests; ray: the Ray worker
+#: group example, examples/ray_rl).
+TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3", "libcst==1.8.6", "sybil==9.1.0", "hypothesis==6.155.2", "ray==2.60.0")
 #: The Python that runs ``unit`` and ``lint``; its base also gets :data:`LINT_TOOLS`.
 TOOLS_PYTHON = "3.11"
 LINT_TOOLS = ("ruff==0.17.6", "mypy==2.4.0", "griffe==2.4.1")

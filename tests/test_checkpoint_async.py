@@ -46,7 +46,7 @@ def test_a_writer_failure_is_raised_by_wait_and_keeps_the_previous_checkpoint(
     mc.save_checkpoint(path, _model(1), iteration=1)
 
     def full(*args: object, **kwargs: object) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device", str(args[1]))
+        raise OSError(errno.ENOSPC, "No space left on device", args[1].name)  # the shard's writer's file
 
     monkeypatch.setattr(save_module.torch, "save", full)
     handle = mc.save_checkpoint_async(path, _model(2), iteration=2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -215,8 +216,8 @@ def _disk_full(monkeypatch: pytest.MonkeyPatch, after: int = 0) -> None:
 
     from mcore_compat.checkpoint import save
 
-    def full(obj: object, f: object, *a: object, **k: object) -> None:
-        Path(str(f)).write_bytes(b"x" * after)
+    def full(obj: object, f: Any, *a: object, **k: object) -> None:
+        f.write(b"x" * after)  # the shard's writer (files.HashingWriter): the bytes land in the staging directory
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
 
     usage = collections.namedtuple("usage", "total used free")

@@ -128,6 +128,21 @@ def test_refuses_quantized_params() -> None:
 
 
 @pytest.mark.mcore
+def test_refuses_a_param_numpy_has_viewed_and_moves_nothing() -> None:
+    """``param.numpy()`` (a user's checksum or log) marks the storage not resizable for good: offload refuses in
+    one line saying so and what to do, before it frees anything."""
+    from mcore_compat import OffloadError, offload
+
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    module[1].weight.detach().numpy()
+    before = [p.untyped_storage().nbytes() for p in module.parameters()]
+    with pytest.raises(OffloadError, match=r"not resizable.*\.numpy\(\).*clone") as err:
+        offload([module])
+    assert "\n" not in str(err.value)
+    assert [p.untyped_storage().nbytes() for p in module.parameters()] == before  # nothing freed
+
+
+@pytest.mark.mcore
 def test_refuses_precision_aware_optimizer_state() -> None:
     from mcore_compat import OffloadError, offload, reload
 

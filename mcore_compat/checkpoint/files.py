@@ -69,6 +69,7 @@ class HashingWriter:
     the file back. ``hexdigest()`` equals :func:`file_checksum` of the file once closed."""
 
     def __init__(self, path: Path) -> None:
+        self.name = str(path)  # as a file object names its file (no __fspath__: torch.save would open the path)
         self._fh = open(path, "wb")  # closed by close() / the context manager
         self._h = _hasher()
 

@@ -38,13 +38,16 @@ def copy_out(slot: HostSlot, tensor: torch.Tensor) -> int:
         The bytes copied.
 
     Raises:
-        OffloadError: the storage cannot be resized (memory not allocated by torch, e.g. ``torch.from_numpy``).
+        OffloadError: the storage cannot be resized: memory not allocated by torch (``torch.from_numpy``), or
+            memory a NumPy array was made a view of (``tensor.numpy()`` marks the storage not resizable, for
+            good: numpy keeps a pointer into it).
     """
     storage = tensor.untyped_storage()
     if not storage.resizable():
         raise OffloadError(
-            f"a {tuple(tensor.shape)} {tensor.dtype} tensor lives in memory torch did not allocate (not "
-            "resizable), so it cannot be freed in place; keep it resident or copy it into a torch tensor"
+            f"a {tuple(tensor.shape)} {tensor.dtype} tensor's storage is not resizable - memory torch did not "
+            "allocate, or memory .numpy() was called on (torch then keeps it in place for numpy's sake) - so it "
+            "cannot be freed in place; call .numpy() on a copy (t.detach().clone().numpy()), or keep it resident"
         )
     nbytes = storage.nbytes()
     host = slot.ensure_host(nbytes, storage.device)
