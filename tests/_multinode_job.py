@@ -3,6 +3,8 @@
     python -m torch.distributed.run --nnodes 2 ... tests/_multinode_job.py train RUN_DIR   # every node
     python tests/_multinode_job.py load RUN_DIR                                           # one process
 
+``train-kill``: the same, but global rank 1 SIGKILLs itself after the warm-up step (a lost node).
+
 ``train``: the tiny GPT of the self-check's models (bf16, the distributed optimizer, data-parallel over every rank),
 one warm-up step, then ``check_training_step`` on the next (its verdict printed by global rank 0), then
 ``save_to_run`` of model and optimizer; rank 0 also writes the full weights it saved (``RUN_DIR/weights.pt``: at
@@ -57,7 +59,9 @@ def _weights(chunks) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().clone() for n, p in core_module(chunks[0]).named_parameters()}
 
 
-def train(run: Path) -> dict:
+def train(run: Path, kill: bool = False) -> dict:
+    import signal
+
     import torch.distributed as dist
 
     import mcore_compat as mc
@@ -66,6 +70,8 @@ def train(run: Path) -> dict:
     world = int(os.environ["WORLD_SIZE"])
     opts, models, training, chunks, optimizer, ps = _setup(world)
     _step(opts, models, training, chunks, optimizer, ps)
+    if kill and dist.get_rank() == 1:  # a lost node: its rank dies between steps
+        os.kill(os.getpid(), signal.SIGKILL)
     batches = models.make_batches(opts, ps.get_data_parallel_rank())
     report = check_training_step(chunks, optimizer, models.forward_step(opts), iter(batches),
                                  num_microbatches=models.MICROBATCHES, seq_length=models.SEQ,
@@ -103,6 +109,6 @@ def load(run: Path) -> dict:
 
 if __name__ == "__main__":
     mode, where = sys.argv[1], Path(sys.argv[2])
-    result = train(where) if mode == "train" else load(where)
+    result = train(where, kill=mode == "train-kill") if mode.startswith("train") else load(where)
     if int(os.environ.get("RANK", "0")) == 0:
         print("RESULT " + json.dumps(result), flush=True)

@@ -79,3 +79,20 @@ def test_a_user_job_on_two_nodes_checks_saves_and_resumes_on_one(tmp_path: Path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = _result(proc.stdout)
     assert loaded == {"iteration": 2, "extra": {"world": 2}, "exact": True, "trains": True, "dp": 1}, loaded
+
+
+def test_a_rank_lost_mid_job_ends_it_on_every_node_and_the_next_job_starts_clean(tmp_path: Path) -> None:
+    """Global rank 1 dies (SIGKILL) between two steps: rank 0, in the next step's collective with it, fails at once
+    (gloo), both agents exit non-zero within the stated timeout, torchrun naming the lost rank and its signal; a new
+    job then runs through."""
+    import time
+
+    start = time.monotonic()
+    agents = _two_nodes(1, [str(JOB), "train-kill", str(tmp_path / "run")], tmp_path, timeout=180)
+    assert time.monotonic() - start < 180
+    assert all(code != 0 for code, _, _ in agents), [code for code, _, _ in agents]
+    text = "".join(err for _, _, err in agents)
+    assert "exitcode  : -9" in text and "rank      : 1" in text, text[-3000:]
+    again = _two_nodes(1, [str(JOB), "train", str(tmp_path / "run2")], tmp_path)
+    assert [code for code, _, _ in again] == [0, 0], [err[-2000:] for _, _, err in again]
+    assert _result("".join(out for _, out, _ in again))["check_ok"]

@@ -164,10 +164,29 @@ class WorkerGroup:
         self.rollout_actor = ray.remote(num_cpus=0)(Rollout).remote()
         ray.get([t.ready.remote() for t in self.trainers])
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
+    def _all(self, method: str, *args: Any, timeout: float = 300.0) -> list[Any]:
+        """``method`` on every trainer. A trainer that died (a killed process, a lost node) fails the call in
+        one line naming its rank, within ``timeout`` seconds: its peers, stuck in a collective with it, get the
+        process group's error (gloo at once; NCCL at its timeout) and are named as failed after it."""
         import ray
 
-        return ray.get([getattr(t, method).remote(*args) for t in self.trainers])
+        refs = [getattr(t, method).remote(*args) for t in self.trainers]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        lost, failed, out = [], [], []
+        for rank, ref in enumerate(refs):
+            if ref in pending:
+                failed.append(f"rank {rank} did not answer within {timeout:g} s")
+                continue
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.ActorDiedError:
+                lost.append(rank)
+            except ray.exceptions.RayTaskError as exc:
+                failed.append(f"rank {rank}: {str(exc.cause).splitlines()[0][:200] if exc.cause else exc}")
+        if lost or failed:
+            raise RuntimeError(f"{method}: trainer rank(s) {', '.join(map(str, lost)) or 'none'} lost"
+                               + (f"; {'; '.join(failed)}" if failed else ""))
+        return out
 
     def first_step(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         reports = self._all("first_step", batch)

@@ -52,3 +52,30 @@ def test_a_worker_group_checks_trains_offloads_and_hands_off(cluster: Any) -> No
         assert seen[0] != seen[1] != seen[2]  # the updates moved the weights the rollout actor got
     finally:
         group.shutdown()
+
+
+def test_a_lost_trainer_fails_the_step_in_one_line_and_a_new_group_starts_clean(cluster: Any) -> None:
+    """A trainer actor killed (as a lost node would be): the next step fails within seconds, in one line naming
+    the lost rank (its peer, in a collective with it, fails too); a new group then trains as before."""
+    import time
+
+    from ray_rl.group import WorkerGroup, make_batch
+
+    group = WorkerGroup(trainers=2)
+    try:
+        group.train(make_batch(0))
+        ray.kill(group.trainers[1])
+        start = time.monotonic()
+        with pytest.raises(RuntimeError) as err:
+            group.train(make_batch(1))
+        text = str(err.value)
+        assert time.monotonic() - start < 60 and "\n" not in text, text
+        assert text.startswith("train: trainer rank(s) 1 lost; rank 0: "), text
+    finally:
+        group.shutdown()
+    again = WorkerGroup(trainers=2)
+    try:
+        metrics = again.train(make_batch(0))
+        assert all(m["actor/update_successful"] == 1.0 for m in metrics)
+    finally:
+        again.shutdown()
