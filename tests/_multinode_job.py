@@ -54,7 +54,7 @@ def _step(opts, models, training, chunks, optimizer, ps) -> None:
 
 
 def _weights(chunks) -> dict[str, torch.Tensor]:
-    from mcore_compat.selfcheck.reference import core_module
+    from mcore_compat.selfcheck.wrappers import core_module
 
     return {n: p.detach().float().clone() for n, p in core_module(chunks[0]).named_parameters()}
 

@@ -37,7 +37,7 @@ def _wrap_step(optimizer: Any, chunks: list[Any], case: str, dp_rank: int) -> No
     """Make ``optimizer.step`` corrupt the finalized gradients / a group before the real update runs."""
     import torch
 
-    from mcore_compat.selfcheck.reference import core_module
+    from mcore_compat.selfcheck.wrappers import core_module
 
     real = optimizer.step
     named = [(n, p) for c in chunks for n, p in core_module(c).named_parameters()]

@@ -151,7 +151,7 @@ class Trainer:
         TP=1 group holds every parameter whole; ``[]`` elsewhere)."""
         import ray
 
-        from mcore_compat.selfcheck.reference import core_module
+        from mcore_compat.selfcheck.wrappers import core_module
 
         if self.rank != 0:
             return []
@@ -159,7 +159,7 @@ class Trainer:
 
     def local_checksums(self) -> dict[str, int]:
         """This rank's own parameters (whole at TP=1), read from the model, not from ``gather_full``."""
-        from mcore_compat.selfcheck.reference import core_module
+        from mcore_compat.selfcheck.wrappers import core_module
 
         return checksums(dict(core_module(self.actor.model[0]).named_parameters()))
 

@@ -27,45 +27,22 @@ from .coords import Coords, coords, is_expert
 from .errors import (
     CheckpointError,
     CheckpointFormatError,
-    CheckpointInProgressError,
     CheckpointMismatchError,
     CheckpointReshardError,
 )
 from .files import verify_shard
 from .manifest import FORMAT, Manifest, ShardFile, read_manifest
 from .megatron_files import is_megatron_checkpoint
+from .outcome import LoadedCheckpoint, _agree
 from .pp import restage
 from .runs import is_run_directory, latest_checkpoint
 from .save import _gather, _rank, wait_for_pending
 from .state import leaves, main_params, named_params, param_key, restore_rng
 from .tp import Split, reshard, same_copies, splits
 
-__all__ = ["LoadedCheckpoint", "load_checkpoint"]
+__all__ = ["LoadedCheckpoint", "load_checkpoint"]  # LoadedCheckpoint: defined in .outcome, public here too
 
 _FIXED_DIMS = (("tp", "TP"), ("pp", "PP"), ("ep", "EP"), ("vpp", "VPP"))
-
-
-@dataclass(frozen=True)
-class LoadedCheckpoint:
-    """What :func:`load_checkpoint` loaded.
-
-    Attributes:
-        iteration: the iteration given to ``save_checkpoint`` (``None`` if none was).
-        extra: this rank's ``extra`` (the saving rank at the same place in the layout).
-        manifest: the checkpoint's manifest (versions, layout, files); ``None`` for a Megatron dist_checkpointing
-            directory (:class:`~.megatron.LoadedMegatronCheckpoint`).
-        rng_restored: the RNG states were restored (same layout as at save; after a reshard they are not).
-        optimizer_loaded: the optimizer's state was loaded.
-        checksums_verified: every shard this rank read matched its recorded checksum (``False``: written before
-            checksums, nothing to verify; or ``verify=False``).
-    """
-
-    iteration: int | None
-    extra: dict[str, Any] | None
-    manifest: Manifest | None
-    rng_restored: bool
-    optimizer_loaded: bool
-    checksums_verified: bool = False
 
 
 @dataclass
@@ -432,26 +409,6 @@ def _plan_same_pp(plan: _Plan, root: Path, manifest: Manifest, chunks: list[Any]
     if optimizer is not None and source["optimizer"] is not None:
         _optimizer_plan(plan, chunks, optimizer, list(shards.values()), source, where, strict, tp, models)
     return source_file, source
-
-
-def _agree(report: tuple[str, str, int] | None, used: set[str] | None = None) -> list[set[str]]:
-    """Every rank's outcome of planning; raise the first refusal of another rank (this rank's own failure is
-    re-raised by the caller). Returns every rank's ``used`` ids (a PP change, :mod:`.pp`)."""
-    gathered = _gather((report, used))
-    refused = [r for r, _ in gathered if r is not None]
-    if report is not None or not refused:
-        return [u for _, u in gathered if u is not None]
-    name, message, rank = refused[0]
-    text = f"refused on rank {rank}: {message}"
-    if name == "CheckpointFormatError":
-        raise CheckpointFormatError(text)
-    if name == "CheckpointInProgressError":
-        raise CheckpointInProgressError(text)
-    if name == "CheckpointMismatchError":
-        raise CheckpointMismatchError(text)
-    if name == "CheckpointReshardError":
-        raise CheckpointReshardError(text)
-    raise CheckpointError(f"{text} ({name})")
 
 
 def _unplaced(plan: _Plan, used: list[set[str]]) -> None:

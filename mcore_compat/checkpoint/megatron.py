@@ -26,7 +26,6 @@ import torch
 from ..layout.read import unwrap
 from .coords import Coords
 from .errors import CheckpointError, CheckpointFormatError, CheckpointMismatchError
-from .load import LoadedCheckpoint, _agree
 from .megatron_files import (
     TORCH_DIST,
     optimizer_format,
@@ -36,6 +35,7 @@ from .megatron_files import (
     safe_globals,
     scheduler_state,
 )
+from .outcome import LoadedCheckpoint, _agree
 
 __all__ = ["LoadedMegatronCheckpoint", "load_megatron", "model_keys", "unsupported_reason"]
 

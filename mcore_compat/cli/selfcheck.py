@@ -274,9 +274,9 @@ def _sweep_configs(args: argparse.Namespace, opts: Any) -> tuple[list[Any], list
 def _sweep_configs_for(argv: Sequence[str]) -> list[Any]:
     """The configurations ``mcore-compat self-check <argv>`` (with ``--sweep``) runs on the installed release, built
     by the CLI's own parser and option handling (the test matrix runs them in its warm ranks)."""
-    from . import build_parser
-
-    args = build_parser().parse_args(["self-check", *argv])
+    parser = argparse.ArgumentParser(prog="mcore-compat")  # the subcommand's own options, as the CLI adds them
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["self-check", *argv])
     return _sweep_configs(args, _options(args))[0]
 
 

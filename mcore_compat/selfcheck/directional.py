@@ -127,7 +127,8 @@ def float64_copy(module: Any) -> Any:
     bf16/fp16 flags off (the schedule's hooks cleared), softmax modules' half-precision input flags off."""
     import torch
 
-    from .reference import _plain_copy, _without_hooks, core_module
+    from .reference import _plain_copy, _without_hooks
+    from .wrappers import core_module
 
     core = core_module(module)
     configs: dict[int, Any] = {}
@@ -315,7 +316,7 @@ class FiniteDifferences:
         import torch
         import torch.distributed as dist
 
-        from .reference import core_module
+        from .wrappers import core_module
 
         g = self.groups
         if self.view.unsupported:
@@ -340,7 +341,7 @@ class FiniteDifferences:
     # -------------------------------------------------------------------------------------------- set-up
     def _build(self) -> None:
         from ..binding.placement import coordinates, placements, tp_attrs
-        from .reference import core_module
+        from .wrappers import core_module
 
         g = self.groups
         self.copies = [float64_copy(c) for c in self.chunks]
@@ -778,7 +779,7 @@ class FiniteDifferences:
 
 
 def _has_dropout(chunk: Any) -> bool:
-    from .reference import core_module
+    from .wrappers import core_module
 
     for m in core_module(chunk).modules():
         cfg = m.__dict__.get("config")

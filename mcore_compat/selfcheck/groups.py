@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .reference import core_module, dtype_code, dtype_of
+from .reference import dtype_code, dtype_of
+from .wrappers import core_module
 
 __all__ = ["Groups"]
 

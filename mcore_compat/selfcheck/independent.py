@@ -38,8 +38,8 @@ from ..errors import McoreCompatError
 from . import models, plain_gpt
 from .groups import gather_objects
 from .options import SelfCheckOptions
-from .reference import core_module
 from .report import Check
+from .wrappers import core_module
 
 __all__ = ["TOLERANCE", "IndependentReference"]
 

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._own_math import own_tensor_math
-from .reference import ceil_log2, unwrap_ddp
+from .reference import ceil_log2
+from .wrappers import unwrap_ddp
 
 __all__ = ["ReplicaResult", "compare_replicas", "digest", "global_grad_norm"]
 

@@ -65,7 +65,7 @@ def _tracked(chunks: list[Any], view: Any) -> list[_Tracked]:
     from ..capabilities import fact
     from ..detect import detect
     from ..layout.read import ddp_buffers
-    from .reference import core_module
+    from .wrappers import core_module
 
     out: list[_Tracked] = []
     grad_attr = fact("grad_data_attr")

@@ -37,24 +37,11 @@ from typing import Any
 from .._own_math import own_tensor_math
 from . import rng_replay
 from .rng_replay import RngReplay
+from .wrappers import unwrap_ddp
 
 __all__ = ["GradReference", "PlainReference", "unwrap_ddp"]
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64", "int64")
-
-
-def unwrap_ddp(chunk: Any) -> Any:
-    """The module inside Megatron's ``DistributedDataParallel`` (any release); wrappers below it stay."""
-    while type(chunk).__name__ == "DistributedDataParallel" and hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
-def core_module(module: Any) -> Any:
-    """Strip DDP and ``Float16Module`` wrappers."""
-    while type(module).__name__ in ("DistributedDataParallel", "Float16Module") and hasattr(module, "module"):
-        module = module.module
-    return module
 
 
 def _plain_copy(module: Any, share_weights: bool = False, dtype: Any = None,

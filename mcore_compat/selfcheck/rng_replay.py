@@ -121,7 +121,7 @@ class RngReplay:
     """
 
     def __init__(self, chunks: Sequence[Any]) -> None:
-        from .reference import core_module
+        from .wrappers import core_module
 
         self._index = {id(core_module(c)): i for i, c in enumerate(chunks)}
         self._single = len(chunks) == 1
@@ -135,7 +135,7 @@ class RngReplay:
 
     def chunk_of(self, model: Any) -> int | None:
         """The index of the chunk ``model`` is (or wraps), ``None`` if none."""
-        from .reference import core_module
+        from .wrappers import core_module
 
         index = self._index.get(id(core_module(model)))
         return 0 if index is None and self._single else index

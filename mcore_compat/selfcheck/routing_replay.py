@@ -93,7 +93,7 @@ class RoutingReplay:
     """
 
     def __init__(self, chunks: Sequence[Any]) -> None:
-        from .reference import core_module
+        from .wrappers import core_module
 
         self._cores = [core_module(c) for c in chunks]
         self._index = {id(c): i for i, c in enumerate(self._cores)}
@@ -109,7 +109,7 @@ class RoutingReplay:
         self.missed.clear()
 
     def _chunk_of(self, model: Any) -> int | None:
-        from .reference import core_module
+        from .wrappers import core_module
 
         index = self._index.get(id(core_module(model)))
         return 0 if index is None and len(self._cores) == 1 else index

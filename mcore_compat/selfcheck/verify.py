@@ -62,10 +62,11 @@ from .host_snapshot import HostSnapshot
 from .in_step import InStep, not_streamable
 from .invariants import compare_replicas, global_grad_norm
 from .oracle import BOUND_TEXT, Rule, _is_tensor, branches, expected_step, rule_of
-from .reference import GradReference, PlainReference, core_module
+from .reference import GradReference, PlainReference
 from .report import Check
 from .rng_replay import RngReplay, unreplayable_reason
 from .routing_replay import RoutingReplay
+from .wrappers import core_module
 
 __all__ = ["StepVerifier", "named_trainable"]
 

@@ -37,7 +37,7 @@ def _prepare(opts: SelfCheckOptions) -> list[str]:
 
 def _core(module: Any) -> Any:
     """Strip DDP / Float16Module wrappers."""
-    from .reference import core_module
+    from .wrappers import core_module
 
     return core_module(module)
 
