@@ -118,6 +118,19 @@ for n in range(start, start + 100000):
 """
 
 
+def _killed(script: str, run: Path, env: dict[str, str], rng: random.Random) -> list[int]:
+    """Start a writer loop, let it report one complete save, SIGKILL it at a random moment up to 0.25 s later;
+    the iterations it reported complete."""
+    proc = subprocess.Popen([sys.executable, "-c", script, str(run)], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    first = int(proc.stdout.readline())  # one more complete save
+    time.sleep(rng.uniform(0.0, 0.25))
+    proc.send_signal(signal.SIGKILL)
+    reported = [first] + [int(line) for line in proc.stdout.read().split()]
+    proc.wait()
+    return reported
+
+
 def test_a_writer_killed_anywhere_leaves_the_last_complete_checkpoint(tmp_path: Path) -> None:
     """A writer saving in a loop is SIGKILLed at random moments (during a shard, the manifest, the rename, the
     tracker, the retirement): every time, the run directory loads a checkpoint whose values are exactly the ones
@@ -126,13 +139,7 @@ def test_a_writer_killed_anywhere_leaves_the_last_complete_checkpoint(tmp_path: 
     env = child_env()
     rng = random.Random(1234)
     for trial in range(3):
-        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(run)], stdout=subprocess.PIPE, text=True, env=env)
-        assert proc.stdout is not None
-        first = int(proc.stdout.readline())  # one more complete save
-        time.sleep(rng.uniform(0.0, 0.25))
-        proc.send_signal(signal.SIGKILL)
-        reported = [first] + [int(line) for line in proc.stdout.read().split()]
-        proc.wait()
+        reported = _killed(_WRITER, run, env, rng)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             newest = runs.latest_checkpoint(run)
@@ -177,14 +184,7 @@ def test_a_background_writer_killed_anywhere_leaves_the_last_published_checkpoin
     env = child_env()
     rng = random.Random(4321)
     for trial in range(3):
-        proc = subprocess.Popen([sys.executable, "-c", _ASYNC_WRITER, str(run)], stdout=subprocess.PIPE, text=True,
-                                env=env)
-        assert proc.stdout is not None
-        first = int(proc.stdout.readline())
-        time.sleep(rng.uniform(0.0, 0.25))
-        proc.send_signal(signal.SIGKILL)
-        reported = [first] + [int(line) for line in proc.stdout.read().split()]
-        proc.wait()
+        reported = _killed(_ASYNC_WRITER, run, env, rng)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             target = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))

@@ -424,17 +424,10 @@ class FiniteDifferences:
         stages = g.pp * len(self.copies)
         saved: dict[int, tuple[Any, Any]] = {}
         loss, count = None, None
-        for stage in range(stages):
-            if stage % g.pp != g.pp_rank:
-                continue
-            chunk = stage // g.pp
+        for stage, chunk in g.local_stages(len(self.copies)):
             model = self.copies[chunk]
             g.set_virtual_rank(chunk)
-            x = None
-            if stage > 0:
-                x = g.recv_stage(stage - 1)
-                if keep:
-                    x.requires_grad_()
+            x = g.stage_input(stage, keep)
             _set_input_tensor(model, x)
             if rng is not None:
                 rng.replay(chunk, mb)

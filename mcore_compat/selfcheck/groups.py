@@ -75,6 +75,17 @@ class Groups:
         self._vp_saved: Any = None
 
     # ------------------------------------------------------------------------------------------------ pipeline
+    def local_stages(self, chunks: int) -> list[tuple[int, int]]:
+        """``(stage, chunk)`` of this rank's (virtual) pipeline stages, in pipeline order (``chunks`` per rank)."""
+        return [(s, s // self.pp) for s in range(self.pp * chunks) if s % self.pp == self.pp_rank]
+
+    def stage_input(self, stage: int, requires_grad: bool) -> Any:
+        """The activation ``stage`` receives from the stage before it (``None`` for the first stage)."""
+        if stage == 0:
+            return None
+        x = self.recv_stage(stage - 1)
+        return x.requires_grad_() if requires_grad else x
+
     def owner(self, stage: int) -> int:
         """Global rank holding (virtual) pipeline stage ``stage``."""
         return self.pp_ranks[stage % self.pp]

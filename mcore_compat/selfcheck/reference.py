@@ -279,15 +279,10 @@ class PlainReference:
         g = self.groups
         for mb in range(num_microbatches):
             saved: dict[int, tuple[Any, Any]] = {}
-            for stage in range(stages):
-                if stage % g.pp != g.pp_rank:
-                    continue
-                chunk = stage // g.pp
+            for stage, chunk in g.local_stages(len(self.copies)):
                 model = self.copies[chunk]
                 g.set_virtual_rank(chunk)
-                x = None
-                if stage > 0:
-                    x = g.recv_stage(stage - 1).requires_grad_()
+                x = g.stage_input(stage, True)
                 _set_input_tensor(model, x)
                 if rng is not None:
                     rng.replay(chunk, mb)
