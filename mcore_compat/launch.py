@@ -47,8 +47,8 @@ from typing import Any, TypeVar
 from .errors import InvalidArgumentError, McoreCompatError
 
 __all__ = ["Group", "RankFailure", "RankTimeout", "StartRecord", "check_not_bootstrapping", "default_backend",
-           "destroy_model_parallel_since", "destroy_process_groups_since", "free_port", "init_from_env",
-           "process_groups", "spawn", "start_log"]
+           "destroy_model_parallel_since", "destroy_process_groups_since", "free_port", "gather_objects",
+           "init_from_env", "process_groups", "spawn", "start_log"]
 
 T = TypeVar("T")
 
@@ -128,6 +128,22 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """``torch.distributed.all_gather_object`` of ``obj`` over ``group`` (default: the world), as a list by group
+    rank; ``[obj]`` without a process group, and a group of one answers without a collective (NCCL's object gather
+    syncs the host several times even then). The process group's own errors (a rank that died) propagate."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [obj]
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def default_backend(device: str) -> str:

@@ -74,17 +74,14 @@ def _rank() -> int:
 def _gather(obj: Any) -> list[Any]:
     """Every rank's ``obj`` (collective). A rank that died or stopped answering (the process group's error, e.g.
     gloo's "Connection closed by peer", NCCL's timeout) is raised as a :class:`CheckpointError` naming it."""
-    dist = _dist()
-    if dist is None:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
+    from ..launch import gather_objects
+
     try:
-        dist.all_gather_object(out, obj)
+        return gather_objects(obj)
     except RuntimeError as exc:  # torch.distributed.DistBackendError is one
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        raise CheckpointError(f"rank {dist.get_rank()}: the other ranks stopped answering - a rank died or hangs "
+        raise CheckpointError(f"rank {_rank()}: the other ranks stopped answering - a rank died or hangs "
                               f"({first})") from exc
-    return out
 
 
 #: What a checkpoint directory may hold; a save refuses to replace a directory holding anything else.

@@ -378,7 +378,7 @@ class FiniteDifferences:
                 stages = 2 if tied is not None and p is tied else 1
                 self.blocks.append(_Block(where, p, mine[name], key, 1.0 / (holders * stages), shard,
                                           by_model.get(id(p), [])))
-        from .groups import gather_objects
+        from ..launch import gather_objects
 
         seen: dict[str, int] = {}
         for names in gather_objects([b.name for b in self.blocks]):

@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any
 
 from .._own_math import own_tensor_math
-from .groups import gather_objects
+from ..launch import gather_objects
 from .report import Check
 
 __all__ = ["NAME", "gather_full_check", "inject_wrong_stride"]

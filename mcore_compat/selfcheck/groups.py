@@ -15,19 +15,6 @@ __all__ = ["Groups"]
 _META = 8
 
 
-def gather_objects(obj: Any, group: Any = None) -> list[Any]:
-    """``dist.all_gather_object`` of ``obj`` over ``group`` (default: the world), as a list by group rank; a group
-    of one rank answers without a collective (NCCL's object gather syncs the host several times even then)."""
-    import torch.distributed as dist
-
-    size = dist.get_world_size(group)
-    if size == 1:
-        return [obj]
-    gathered: list[Any] = [None] * size
-    dist.all_gather_object(gathered, obj, group=group)
-    return gathered
-
-
 def _first_attr(obj: Any, *names: str) -> Any:
     for name in names:
         fn = getattr(obj, name, None)

@@ -35,8 +35,8 @@ from typing import Any
 
 from .._own_math import own_tensor_math
 from ..errors import McoreCompatError
+from ..launch import gather_objects
 from . import models, plain_gpt
-from .groups import gather_objects
 from .options import SelfCheckOptions
 from .report import Check
 from .wrappers import core_module

@@ -120,8 +120,8 @@ def check_training_step(
     import torch.distributed as dist
 
     from .. import symbols, training
+    from ..launch import gather_objects
     from . import in_step
-    from .groups import gather_objects
     from .verify import StepVerifier
     from .worker import _binding_checks, _buffer_alias_check, _pipeline_gather_check
 

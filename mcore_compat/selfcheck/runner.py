@@ -13,10 +13,9 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import McoreCompatError
-from ..launch import Group, RankFailure, RankTimeout, check_not_bootstrapping, spawn
+from ..launch import Group, RankFailure, RankTimeout, check_not_bootstrapping, gather_objects, spawn
 from ..preflight import require
 from . import noise
-from .groups import gather_objects
 from .options import SelfCheckOptions, UsageError
 from .report import Check, Report, merge_rank_checks
 

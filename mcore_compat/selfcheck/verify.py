@@ -54,10 +54,11 @@ from typing import Any
 from .._optimizer_view import MainParam, optimizer_view
 from .._own_math import own_tensor_math
 from ..errors import McoreCompatError
+from ..launch import gather_objects
 from . import elements, fused
 from .configured import Configured, from_optimizer
 from .fingerprint import Fingerprint, changed, fingerprints
-from .groups import Groups, gather_objects
+from .groups import Groups
 from .host_snapshot import HostSnapshot
 from .in_step import InStep, not_streamable
 from .invariants import compare_replicas, global_grad_norm

@@ -14,10 +14,10 @@ from typing import Any
 
 from .._optimizer_view import optimizer_view
 from .._own_math import own_tensor_math
+from ..launch import gather_objects
 from . import models, progress
 from .configured import from_options
 from .full_gather import gather_full_check, inject_wrong_stride
-from .groups import gather_objects
 from .independent import IndependentReference
 from .offload_cycle import OffloadCycles
 from .options import SelfCheckOptions
