@@ -3,8 +3,8 @@
 ``Trainer`` actors (one process each, ranks of one ``torch.distributed`` group: gloo on CPU, NCCL on GPUs) build the
 PPO actor of ``examples/ppo_actor`` through mcore_compat; the first update runs as ``check_training_step`` (a real
 step, proved); between updates the trainers offload their weights, gradients and optimizer state while the
-``Rollout`` actor generates, reload, and hand the full weights to the rollout actor through ``mc.gather_full`` and
-Ray's object store::
+``Rollout`` actor generates, reload, and hand the full weights to the rollout actor through ``mc.iter_full`` (one
+object per bucket) and Ray's object store::
 
     import ray
     from ray_rl.group import WorkerGroup
@@ -118,13 +118,6 @@ class Trainer:
 
         mc.reload(self.actor.model, self.actor.optimizer)
 
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """Every full tensor on rank 0 (``{}`` elsewhere; collective: every trainer calls it)."""
-        import mcore_compat as mc
-
-        full = mc.gather_full(self.binding, dst=0)
-        return {n: t.clone() for n, t in full.items()}  # own storage: the object store serialises it
-
     def bucket_refs(self, bucket_bytes: int = 1 << 26) -> list[Any]:
         """The full weights as one object-store object per ``mc.iter_full`` bucket (rank 0; ``[]`` elsewhere;
         collective)."""
@@ -158,7 +151,7 @@ class Trainer:
         return [ray.put({n: p.detach().clone()}) for n, p in core_module(self.actor.model[0]).named_parameters()]
 
     def local_checksums(self) -> dict[str, int]:
-        """This rank's own parameters (whole at TP=1), read from the model, not from ``gather_full``."""
+        """This rank's own parameters (whole at TP=1), read from the model, not from ``iter_full``."""
         from mcore_compat.selfcheck.wrappers import core_module
 
         return checksums(dict(core_module(self.actor.model[0]).named_parameters()))
@@ -240,14 +233,10 @@ class WorkerGroup:
         return self._all("train", batch)
 
     def hand_off(self) -> dict[str, int]:
-        """The trainers' full weights to the rollout actor (rank 0 gathers them, the object store carries them);
-        returns the checksums of what the rollout actor now holds."""
-        import ray
-
-        refs = [t.full_weights.remote() for t in self.trainers]
-        loaded = ray.get(self.rollout_actor.load.remote(refs[0]))  # the ref resolves inside the rollout actor
-        ray.get(refs[1:])
-        return loaded
+        """The trainers' full weights to the rollout actor (rank 0 gathers them bucket by bucket with
+        ``mc.iter_full``, the object store carries one object per bucket); returns the checksums of what the
+        rollout actor now holds."""
+        return self.hand_off_via("bucket_refs")
 
     def hand_off_via(self, method: str) -> dict[str, int]:
         """The hand-off through ``Trainer.<method>`` (``bucket_refs``: one object per ``iter_full`` bucket;

@@ -123,6 +123,11 @@ def _needed(payload: Any) -> int:
     return 0
 
 
+def _peer_lost(what: str, exc: CheckpointError, kept: bool) -> CheckpointError:
+    """The one line for ``what`` failing because a peer stopped answering (``kept``: nothing was published)."""
+    return CheckpointError(f"{what} failed: {exc}" + ("; the previous checkpoint there is unchanged" if kept else ""))
+
+
 def _agree(what: str, status: str | None, kept: bool = False) -> None:
     """Raise on every rank the first rank's failure of ``what`` (``status``: this rank's one-line failure);
     ``kept``: a save's exchange before anything is published (a dead peer's error says the previous checkpoint
@@ -130,8 +135,7 @@ def _agree(what: str, status: str | None, kept: bool = False) -> None:
     try:
         gathered = _gather(status)
     except CheckpointError as exc:
-        raise CheckpointError(f"{what} failed: {exc}"
-                              + ("; the previous checkpoint there is unchanged" if kept else "")) from exc
+        raise _peer_lost(what, exc, kept) from exc
     failed = [s for s in gathered if s is not None]
     if failed:
         raise CheckpointError(f"{what} failed on {len(failed)} rank(s): {failed[0]}")
@@ -414,8 +418,7 @@ class _Save:
         except CheckpointError as exc:  # a peer died: nothing is published, the staging directory goes
             if self.where.rank == 0:
                 shutil.rmtree(self.stage, ignore_errors=True)
-            raise CheckpointError(f"saving {self.root} failed: {exc}; the previous checkpoint there is "
-                                  "unchanged") from exc
+            raise _peer_lost(f"saving {self.root}", exc, kept=True) from exc
         failed = [e for e in entries if isinstance(e, str)]
         status = None
         published = False

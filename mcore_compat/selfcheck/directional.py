@@ -549,15 +549,11 @@ class FiniteDifferences:
                     saved, _, count = self._forward(forward_step_func, iters, mb, rng, keep=True)
                     if count is not None:
                         tokens += count
-                    for stage in sorted(saved, reverse=True):
-                        g.set_virtual_rank(stage // g.pp)
-                        x, y = saved.pop(stage)
-                        if stage == g.pp * len(self.copies) - 1:
-                            (y.double() if count is not None else y.double() / num_microbatches).backward()
-                        else:
-                            torch.autograd.backward(y, g.recv_stage(stage + 1, backward=True))
-                        if stage > 0:
-                            g.send_stage(x.grad, stage - 1, backward=True)
+                    last = g.pp * len(self.copies) - 1
+                    if last in saved:  # the schedule's weight: a per-token sum as it is, a mean over micro-batches
+                        x, loss = saved[last]
+                        saved[last] = (x, loss.double() if count is not None else loss.double() / num_microbatches)
+                    g.backward_stages(saved, last + 1)
         finally:
             for q in params:
                 q.requires_grad_(False)

@@ -3,7 +3,7 @@ reference and the replica checks use (no Megatron communication code)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .reference import dtype_code, dtype_of
@@ -72,6 +72,28 @@ class Groups:
             return None
         x = self.recv_stage(stage - 1)
         return x.requires_grad_() if requires_grad else x
+
+    def backward_stages(self, saved: dict[int, tuple[Any, Any]], stages: int,
+                        after: Callable[[int], None] | None = None) -> None:
+        """One micro-batch's backward through this rank's stages, last first (collective over the pipeline): the
+        last stage backpropagates its output (the target), every other stage the gradient the next one sends back,
+        and each sends its input's gradient to the stage before it. ``saved``: ``{stage: (input, output)}`` of
+        the forward over :meth:`local_stages` (emptied); ``stages``: all (virtual) stages of the pipeline;
+        ``after(chunk)``: called after each stage's backward."""
+        import torch
+
+        for stage in sorted(saved, reverse=True):
+            chunk = stage // self.pp
+            self.set_virtual_rank(chunk)
+            x, y = saved.pop(stage)
+            if stage == stages - 1:
+                torch.autograd.backward(y)
+            else:
+                torch.autograd.backward(y, self.recv_stage(stage + 1, backward=True))
+            if stage > 0:
+                self.send_stage(x.grad, stage - 1, backward=True)
+            if after is not None:
+                after(chunk)
 
     def owner(self, stage: int) -> int:
         """Global rank holding (virtual) pipeline stage ``stage``."""

@@ -274,8 +274,6 @@ class PlainReference:
                       per_token: list[Any], sums: list[_BlockSums]) -> None:
         """Every micro-batch's forward and backward through the copies; the gradients and their magnitudes summed
         in ``sums`` (:class:`_BlockSums`), the losses into ``out``."""
-        import torch
-
         g = self.groups
         for mb in range(num_microbatches):
             saved: dict[int, tuple[Any, Any]] = {}
@@ -303,19 +301,7 @@ class PlainReference:
                 else:
                     g.send_stage(output.detach(), stage + 1)
                     saved[stage] = (x, output)
-            for stage in reversed(range(stages)):
-                if stage not in saved:
-                    continue
-                chunk = stage // g.pp
-                g.set_virtual_rank(chunk)
-                x, y = saved.pop(stage)
-                if stage == stages - 1:
-                    torch.autograd.backward(y)
-                else:
-                    torch.autograd.backward(y, g.recv_stage(stage + 1, backward=True))
-                if stage > 0:
-                    g.send_stage(x.grad, stage - 1, backward=True)
-                sums[chunk].add_microbatch()
+            g.backward_stages(saved, stages, lambda chunk: sums[chunk].add_microbatch())
 
     # -------------------------------------------------------------------------------------------- reductions
     @own_tensor_math

@@ -1,9 +1,9 @@
 """The Ray worker group (``ray_rl.group``) on a local Ray instance, CPU: 2 trainer actors (gloo) and a rollout actor.
 
 The first PPO update runs as ``check_training_step`` and passes; then three iterations of hand-off (full weights by
-``gather_full`` through Ray's object store), rollout (the trainers offloaded meanwhile) and a PPO update: after
+``iter_full`` buckets through Ray's object store), rollout (the trainers offloaded meanwhile) and a PPO update: after
 every hand-off the rollout actor holds exactly the trainers' weights (checksums of each trainer's own parameters,
-read from its model, not from ``gather_full``), and the weights move between hand-offs.
+read from its model, not from ``iter_full``), and the weights move between hand-offs.
 
 Marked ``launcher`` (a Ray cluster of fresh worker processes; torch, Python and Ray are under test, so one release
 per Python runs it); skipped, naming why, where Ray is not installed (CI's bases pin it: ci/matrix_env.py).
