@@ -108,7 +108,7 @@ def main() -> int:
     p = C.parser(__doc__)
     p.add_argument("--reps", type=int, default=10, help="timed repetitions of every variant (default 10)")
     args = p.parse_args()
-    from mcore_compat._mirror import installed_release
+    from mcore_compat._facts.mirror import installed_release
 
     release = installed_release()
     names = names_at_path(release)

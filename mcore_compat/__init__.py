@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._deprecated import DEPRECATED_TOP_LEVEL, warn_deprecated_name
+from ._util.deprecated import DEPRECATED_TOP_LEVEL, warn_deprecated_name
 from ._version import __version__
 from .capabilities import capabilities, fact, has
 from .detect import MegatronInfo, detect, refresh

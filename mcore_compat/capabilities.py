@@ -1,6 +1,6 @@
 """Facts about Megatron-Core as data: look up the value a named fact has for the installed release.
 
-The rows are in :mod:`mcore_compat._fact_table` (one :class:`~mcore_compat._rows.Fact` per fact, each with a
+The rows are in :mod:`mcore_compat._facts.table` (one :class:`~mcore_compat._facts.rows.Fact` per fact, each with a
 probe of the real code). The adapters read them here instead of comparing versions::
 
     fact("ddp_ctor")                  # "ddpcfg_pgc" on 0.15+
@@ -8,7 +8,7 @@ probe of the real code). The adapters read them here instead of comparing versio
 
 The 33 capability names removed when the fact table was unified (2026-12-01: ``has("ddp_config")``,
 ``has("finalize_num_tokens")``, ...) still answer through :func:`has` and :func:`capability`, with the value they
-always had, and warn once (:class:`DeprecationWarning`) naming the replacement (:mod:`mcore_compat._deprecated`).
+always had, and warn once (:class:`DeprecationWarning`) naming the replacement (:mod:`mcore_compat._util.deprecated`).
 
 ``tests/test_surface_real.py`` asserts in every matrix session that each fact's value for the installed release
 equals what its probe finds (:func:`drift`), so a row the code relies on cannot silently be wrong. Lookups are
@@ -21,10 +21,10 @@ from typing import Any
 
 from packaging.version import Version
 
-from ._deprecated import DEPRECATED_FLAGS, warn_deprecated, warn_deprecated_name
-from ._fact_table import FACTS
-from ._ranges import parse_version
-from ._rows import Fact, flag
+from ._facts.ranges import parse_version
+from ._facts.rows import Fact, flag
+from ._facts.table import FACTS
+from ._util.deprecated import DEPRECATED_FLAGS, warn_deprecated, warn_deprecated_name
 from .detect import detect
 from .errors import InvalidTypeError, UnknownFactError
 

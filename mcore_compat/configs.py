@@ -9,18 +9,18 @@
     ddp_config = mc.ddp_config(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
     opt_config = mc.optimizer_config(lr=1e-4, bf16=True, use_distributed_optimizer=True)
 
-Every field name of every release is accepted (``mcore_compat/_config_fields.py``, generated from the release
+Every field name of every release is accepted (``mcore_compat/_translate/fields.py``, generated from the release
 wheels by ``scripts/gen_config_fields.py``):
 
 * a renamed field is passed under the name the installed release uses, whichever name was given
   (``bias_gelu_fusion`` on 0.4 = ``bias_activation_fusion`` from 0.5);
 * a field the installed release lacks is dropped silently when its value is the field's default, dropped with a
-  one-time warning (rank 0) when ignoring it cannot change results (``mcore_compat/_config_effects.py``: fused
+  one-time warning (rank 0) when ignoring it cannot change results (``mcore_compat/_translate/effects.py``: fused
   kernels, overlap, offloading, CUDA graphs, logging), and refused with
   :class:`~mcore_compat.errors.UnsupportedVersionError` otherwise;
 * a name that no release has raises :class:`~mcore_compat.errors.InvalidArgumentError` naming close matches.
 
-The translation itself (:func:`translate_fields`, re-exported here) lives in ``mcore_compat/_config_translate.py``,
+The translation itself (:func:`translate_fields`, re-exported here) lives in ``mcore_compat/_translate/translate.py``,
 below ``mcore_compat/training/``, which uses it too.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from ._config_translate import translate_fields
+from ._translate.translate import translate_fields
 
 __all__ = ["ddp_config", "optimizer_config", "transformer_config", "translate_fields"]
 

@@ -30,7 +30,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import shutil
 import signal
 import socket
 import sys
@@ -44,6 +43,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from ._util.processes import dump_stacks, fork_server_context, stop_processes
 from .errors import InvalidArgumentError, McoreCompatError
 
 __all__ = ["Group", "RankFailure", "RankTimeout", "StartRecord", "check_not_bootstrapping", "default_backend",
@@ -213,24 +213,6 @@ def start_log() -> list[StartRecord]:
     return list(_STARTS)
 
 
-#: The modules the fork server of this process preloads (``None``: not started by a warm group yet).
-_FORK_SERVER_MODULES: tuple[str, ...] | None = None
-
-
-def _fork_server_context(modules: tuple[str, ...]) -> Any:
-    """multiprocessing's ``forkserver`` context, its server preloading ``modules`` (one server per process)."""
-    global _FORK_SERVER_MODULES
-    ctx = mp.get_context("forkserver")
-    if _FORK_SERVER_MODULES is None:
-        ctx.set_forkserver_preload(list(modules))
-        _FORK_SERVER_MODULES = modules
-    elif _FORK_SERVER_MODULES != modules:
-        raise InvalidArgumentError(
-            f"this process already has a fork server warmed with {list(_FORK_SERVER_MODULES)}; a Group asks for "
-            f"{list(modules)} (one fork server per process: give every warm Group the same modules)")
-    return ctx
-
-
 def _flush_and_exit(results: Any, code: int) -> None:
     quiet = sys.modules.get("mcore_compat.quiet")
     if quiet is not None:  # os._exit below runs no atexit handler: the folded warnings' line is said here
@@ -328,66 +310,6 @@ def _child(rank: int, world: int, port: int, setup: _Setup, inbox: Any, results:
     # Leave without tearing down the process group and Python: destroying the hundreds of subgroups Megatron
     # creates over many runs took seconds, and every rank is going away together anyway.
     _flush_and_exit(results, 0)
-
-
-def _dump_stacks(procs: dict[int, Any], stack_dir: str | None) -> dict[int, str]:
-    """Ask hung ranks for their Python stacks (``faulthandler`` on SIGUSR1) before they are killed; returns rank ->
-    stacks, read from each rank's own file."""
-    if not hasattr(signal, "SIGUSR1"):
-        return {}
-    asked = []
-    for rank, p in procs.items():
-        if p.is_alive() and p.pid:
-            try:
-                os.kill(p.pid, signal.SIGUSR1)
-                asked.append(rank)
-            except OSError:
-                pass
-    if not stack_dir:
-        time.sleep(1.0)
-        return {}
-    stacks: dict[int, str] = {}
-    sizes: dict[int, int] = {}
-    end = time.monotonic() + 3.0
-    while time.monotonic() < end:  # until every file has stopped growing
-        time.sleep(0.2)
-        now = {r: _size(os.path.join(stack_dir, f"rank{r}.txt")) for r in asked}
-        if now == sizes and all(now.values()):
-            break
-        sizes = now
-    for r in asked:
-        try:
-            with open(os.path.join(stack_dir, f"rank{r}.txt"), encoding="utf-8", errors="replace") as fh:
-                text = fh.read()
-        except OSError:
-            continue
-        if text.strip():
-            stacks[r] = text
-    return stacks
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
-def _stop(procs: Sequence[Any], queues: Sequence[Any], stack_dir: str | None = None) -> None:
-    """Stop ``procs`` (terminate, then kill), close ``queues`` and remove ``stack_dir``; safe to call twice."""
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
-    for q in queues:
-        q.cancel_join_thread()  # a job nobody will read must not block this process's exit
-        q.close()
-    if stack_dir:
-        shutil.rmtree(stack_dir, ignore_errors=True)
 
 
 #: Tries with a fresh rendezvous port when the chosen one was taken in the meantime.
@@ -538,7 +460,7 @@ class Group:
 
     # ------------------------------------------------------------------------------------------------ internals
     def _launch(self, port: int) -> None:
-        ctx = _fork_server_context(self._warm) if self._warm else mp.get_context("spawn")
+        ctx = fork_server_context(self._warm) if self._warm else mp.get_context("spawn")
         stack_dir = tempfile.mkdtemp(prefix="mcore-compat-stacks-")
         setup = replace(self._setup, stack_dir=stack_dir)
         results = ctx.Queue()
@@ -551,15 +473,15 @@ class Group:
                 p.start()
                 started.append(p)
         except BaseException:
-            _stop(started, [*inboxes, results], stack_dir)  # never join a process that did not start
+            stop_processes(started, [*inboxes, results], stack_dir)  # never join a process that did not start
             raise
         self._procs, self._inboxes, self._results, self._stack_dir = procs, inboxes, results, stack_dir
         # Stops the ranks if the owner forgets close() (at garbage collection or interpreter exit).
-        self._finalizer = weakref.finalize(self, _stop, list(procs), [*inboxes, results], stack_dir)
+        self._finalizer = weakref.finalize(self, stop_processes, list(procs), [*inboxes, results], stack_dir)
 
     def _teardown(self) -> None:
         if self._finalizer is not None:
-            self._finalizer()  # runs _stop once
+            self._finalizer()  # runs stop_processes once
         self._procs, self._inboxes, self._results, self._finalizer = [], [], None, None
         self._stack_dir = None
 
@@ -583,7 +505,7 @@ class Group:
             while pending() and not failures:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    stacks = _dump_stacks({r: procs[r] for r in pending()}, self._stack_dir)
+                    stacks = dump_stacks({r: procs[r] for r in pending()}, self._stack_dir)
                     raise RankTimeout(pending(), timeout, stacks, starting=seq == 0)
                 try:
                     take(self._results.get(timeout=min(remaining, 0.5)))

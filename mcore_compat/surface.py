@@ -1,6 +1,6 @@
 """Megatron-Core's modules and importable names in every supported release, and where each name moved.
 
-The data is generated from the release wheels by ``scripts/gen_surface.py`` (``mcore_compat/_surface_data.py``:
+The data is generated from the release wheels by ``scripts/gen_surface.py`` (``mcore_compat/_facts/surface_data.py``:
 ``ast``, nothing imported) and checked against the installed release in every matrix session. This module answers
 questions about it without importing Megatron::
 
@@ -12,7 +12,7 @@ questions about it without importing Megatron::
     surface.names("megatron.core.optimizer", "0.8.0")["OptimizerConfig"]   # 'class'
 
 A *release* argument is a version string or :class:`packaging.version.Version`, looked up as its release
-(``0.15.0rc6`` as ``0.15.0``, see :mod:`mcore_compat._ranges`); ranges are open-ended upwards, so a release newer
+(``0.15.0rc6`` as ``0.15.0``, see :mod:`mcore_compat._facts.ranges`); ranges are open-ended upwards, so a release newer
 than the matrix answers as the newest one read. Module paths are Megatron's (``megatron.core.x.y``).
 
 A name is *at* a module in a release when the module binds it at module level there (a definition, a re-export,
@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING
 
 from packaging.version import Version
 
-from ._ranges import in_range
+from ._facts.ranges import in_range
 
 if TYPE_CHECKING:  # pragma: no cover
-    from . import _surface_read
+    from ._facts import surface_read as _surface_read
 
 __all__ = [
     "KEY_MODULES",
@@ -75,7 +75,7 @@ class Where:
 
 def _data() -> ModuleType:
     """The generated module, loaded on first use."""
-    from . import _surface_data
+    from ._facts import surface_data as _surface_data
 
     return _surface_data
 
@@ -279,15 +279,15 @@ KEY_MODULES: tuple[str, ...] = (
 @cache
 def _tree(root: str) -> _surface_read.ReleaseSurface:
     """The static read of the release under ``root`` (files parsed on first use, kept for the next call)."""
-    from ._surface_read import Release as _Files
-    from ._surface_read import ReleaseSurface
+    from ._facts.surface_read import Release as _Files
+    from ._facts.surface_read import ReleaseSurface
 
     return ReleaseSurface(_Files.from_tree(Path(root)))
 
 
 def drift(root: str | Path, release: str | Version, sample: int | None = 8) -> list[str]:
     """Where the data disagrees with the files of ``release`` under ``root`` (the folder holding ``megatron/``),
-    read statically (:mod:`mcore_compat._surface_read`): the set of public modules, and the names of
+    read statically (:mod:`mcore_compat._facts.surface_read`): the set of public modules, and the names of
     :data:`KEY_MODULES` plus ``sample`` more modules chosen by the release (every module when ``None``). Empty:
     they agree."""
     import random
@@ -295,7 +295,7 @@ def drift(root: str | Path, release: str | Version, sample: int | None = 8) -> l
     version = _v(release)
     read = _tree(str(Path(root).resolve()))
     said, found = set(modules(version)), set(read.modules)
-    fix = "regenerate mcore_compat/_surface_data.py with scripts/gen_surface.py"
+    fix = "regenerate mcore_compat/_facts/surface_data.py with scripts/gen_surface.py"
     problems = [f"module {m}: in the files of megatron-core {version}, not in the data ({fix})"
                 for m in sorted(found - said)]
     problems += [f"module {m}: in the data for megatron-core {version}, not in its files ({fix})"

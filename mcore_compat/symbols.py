@@ -1,7 +1,7 @@
 """The import surface: symbol -> version range -> module path/attribute, resolved lazily (like ``six.moves``).
 
-The table itself is data (:data:`SYMBOLS`, in :mod:`mcore_compat._symbol_table`; rows :class:`Symbol` /
-:class:`Location` from :mod:`mcore_compat._rows`). ``mcore_compat.<name>``
+The table itself is data (:data:`SYMBOLS`, in :mod:`mcore_compat._facts.symbol_table`; rows :class:`Symbol` /
+:class:`Location` from :mod:`mcore_compat._facts.rows`). ``mcore_compat.<name>``
 resolves a row on first access against the installed Megatron-Core. A symbol that the installed release does not
 have resolves to an :class:`Unavailable` placeholder: it is falsy, and any use (call, attribute, instantiation)
 raises :class:`~mcore_compat.errors.SymbolUnavailableError` naming the symbol, the installed version and the
@@ -15,8 +15,8 @@ from typing import Any, NoReturn
 
 from packaging.version import Version
 
-from ._rows import Location, Symbol
-from ._symbol_table import SYMBOLS
+from ._facts.rows import Location, Symbol
+from ._facts.symbol_table import SYMBOLS
 from .detect import detect
 from .errors import SymbolUnavailableError
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from packaging.version import Version
 
-from .._ranges import in_range, range_text
+from .._facts.ranges import in_range, range_text
 from ..errors import PatchError, PatchRefusedError
 from . import _targets
 from ._fingerprints import FINGERPRINTS

@@ -131,7 +131,7 @@ def cuda_factory_set_aside() -> Iterator[None]:
     A TorchFunctionMode sends EVERY torch call of its thread through Python (about 5 us each), whether or not it
     asks for a device. mcore_compat's own tensor math (the self-check's comparisons, fingerprints and oracle, the
     offload bookkeeping) never names a CUDA device - it allocates on the devices of the tensors it reads - so it
-    runs without the mode (:func:`mcore_compat._own_math.own_tensor_math`); Megatron's code keeps it. A no-op
+    runs without the mode (:func:`mcore_compat._util.own_math.own_tensor_math`); Megatron's code keeps it. A no-op
     when the mode is not applied or is not the innermost mode of this thread (another mode entered above it).
     """
     n = torch._C._len_torch_function_stack()

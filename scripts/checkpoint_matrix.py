@@ -100,7 +100,7 @@ def _worker(argv: list[str]) -> None:
     fn = {"save": functools.partial(S.cross_save, root), "load": functools.partial(S.cross_load, root, sources),
           "fixture-save": functools.partial(X.save_fixture, root),
           "fixture-check": functools.partial(X.regenerate, root)}[what]
-    with Group(2, device="cpu", destroy_subgroups=True, warm=("mcore_compat._warm_cpu",)) as group:
+    with Group(2, device="cpu", destroy_subgroups=True, warm=("mcore_compat._util.warm_cpu",)) as group:
         results = group.run(fn, timeout=800)
     print("RESULT=" + json.dumps(results))
 

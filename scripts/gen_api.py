@@ -15,7 +15,7 @@ What the listing holds (``api/mcore_compat.json``, sorted, one entry per public 
 * ``lazy``: the names ``mcore_compat`` resolves on first access (its submodules, re-exports and the Megatron
   symbols of the symbol table), which no static reader sees;
 * ``facts``: the fact names ``has()``/``fact()`` answer (the fact table and the deprecated capability names);
-* ``deprecated``: the deprecated aliases (``mcore_compat._deprecated``): old name or parameter -> replacement.
+* ``deprecated``: the deprecated aliases (``mcore_compat._util.deprecated``): old name or parameter -> replacement.
 
 Why griffe: it reads the package statically (nothing of mcore_compat, torch or Megatron is imported to list its
 signatures; dataclasses get their generated ``__init__``), and its ``find_breaking_changes`` is a maintained
@@ -27,7 +27,7 @@ sees the same shapes on both sides and the committed file diffs readably.
 
 The check fails on a public name that disappears, a parameter removed (a rename removes the old name), a
 parameter that becomes required or changes kind, an object that changes kind, a fact or lazy name that
-disappears, and a deprecated alias that is dropped, unless ``mcore_compat._deprecated`` declares the old name or
+disappears, and a deprecated alias that is dropped, unless ``mcore_compat._util.deprecated`` declares the old name or
 parameter as a deprecated alias (which its tests prove still answers). Moved positional parameters and changed
 defaults are printed, not failed. Writing the listing records an intended change; its diff is the API's record.
 """
@@ -152,8 +152,8 @@ _RUNTIME = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import mcore_compat as pkg
-from mcore_compat import _deprecated as dep
-from mcore_compat._fact_table import FACTS
+from mcore_compat._util import deprecated as dep
+from mcore_compat._facts.table import FACTS
 deprecated = {name: row.replacement for name, row in dep.DEPRECATED_FLAGS.items()}
 deprecated.update(getattr(dep, "DEPRECATED_NAMES", {}))
 deprecated.update(getattr(dep, "DEPRECATED_PARAMS", {}))
@@ -314,7 +314,7 @@ def check(root: Path = ROOT, listing_path: Path | None = None) -> int:
         print(f"api BREAKING: {failure}", file=sys.stderr)
     if failures:
         print(f"{len(failures)} breaking change(s) of mcore_compat's public API against {LISTING}: keep the old "
-              f"name or parameter as a deprecated alias (mcore_compat/_deprecated.py)", file=sys.stderr)
+              f"name or parameter as a deprecated alias (mcore_compat/_util/deprecated.py)", file=sys.stderr)
         return 1
     if render(new) != path.read_text(encoding="utf-8"):
         print(f"{LISTING} is stale (the public API changed compatibly): run python scripts/gen_api.py",

@@ -54,7 +54,7 @@ def _observe(release: str) -> dict[str, Any]:
 def _worker() -> None:
     from mcore_compat.launch import Group
 
-    with Group(2, device="cpu", destroy_subgroups=True, warm=("mcore_compat._warm_cpu",)) as group:
+    with Group(2, device="cpu", destroy_subgroups=True, warm=("mcore_compat._util.warm_cpu",)) as group:
         per_rank = group.run(S.observe_committed, timeout=800)
         drawn = group.run(S.record_drawn, timeout=800)[0]
     print("RESULT=" + json.dumps({"committed": S.reference_record(per_rank[0]), "drawn": drawn}))

@@ -41,7 +41,7 @@ def check_clients() -> dict[str, Any]:
 
     patches.apply_for_device("cpu")
     from mcore_compat import surface
-    from mcore_compat._mirror import installed_release, real_path
+    from mcore_compat._facts.mirror import installed_release, real_path
 
     release = installed_release()
     out: dict[str, Any] = {"release": release, "clients": {}}

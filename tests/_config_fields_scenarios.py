@@ -39,9 +39,9 @@ def _fields(cls: Any) -> dict[str, Any]:
 def _pick_absent(version: Any, cls: str, harmless: bool) -> tuple[str, Any] | None:
     """A field of ``cls`` the data says ``version`` lacks (under all its names), classified ``harmless`` (or not),
     with a bool/int literal default, and a value that is not that default."""
-    from mcore_compat._config_effects import harmless_if_missing
-    from mcore_compat._config_fields import FIELDS
-    from mcore_compat._config_names import NO_DEFAULT, default_near, family, fields_in
+    from mcore_compat._translate.effects import harmless_if_missing
+    from mcore_compat._translate.fields import FIELDS
+    from mcore_compat._translate.names import NO_DEFAULT, default_near, family, fields_in
 
     here = fields_in(cls, version)
     for name in FIELDS[cls]:
@@ -63,8 +63,8 @@ def _pick_absent(version: Any, cls: str, harmless: bool) -> tuple[str, Any] | No
 def _injected(version: Any, real: Any) -> list[str]:
     """The drift report for TransformerConfig with one wrong row: ``num_layers``'s rows say it exists only in a
     release that is not the installed one, and ``hidden_size``'s default is 12345."""
-    from mcore_compat import _config_fields as data
-    from mcore_compat._config_names import drift
+    from mcore_compat._translate import fields as data
+    from mcore_compat._translate.names import drift
 
     right = data.FIELDS["TransformerConfig"]
     wrong = dict(right)
@@ -83,8 +83,8 @@ def check_configs() -> dict[str, Any]:
 
     _training_scenarios.apply_patches()
     import mcore_compat as mc
-    from mcore_compat._config_fields import RENAMES
-    from mcore_compat._config_names import drift
+    from mcore_compat._translate.fields import RENAMES
+    from mcore_compat._translate.names import drift
     from mcore_compat.configs import translate_fields
     from mcore_compat.detect import detect
     from mcore_compat.rank0 import get_rank, reset_warn_once

@@ -4,7 +4,7 @@ ANY release, and each call on the installed release is checked against an oracle
 (``mcore_compat/configs.py``'s docstring).
 
 What is drawn (:func:`draw`, plain data): the builder; up to 8 fields of that class from the generated table
-(``mcore_compat/_config_fields.py``: names of every release, so names the installed release lacks, both names of a
+(``mcore_compat/_translate/fields.py``: names of every release, so names the installed release lacks, both names of a
 renamed field and fields some release removed are drawn; 0-2 of them from the removed or renamed ones), each at one
 of its defaults (the table's rows) or at a non-default value of its type (a bool flipped, an int doubled or + 1, a
 float halved, or a value from :data:`PICKED`; one in :data:`REFUSED_ALONE`, which Megatron's ``__post_init__``
@@ -24,12 +24,12 @@ constructor; 0.4/0.5 optimizer: the settings of mcore_compat's own optimizer):
   keywords, the builder raises the same error with the same message (0.4-0.6 DDP: the keyword dict carries the
   value, ``bucket_size=None`` as the constructor's default; 0.4/0.5 optimizer: mcore_compat's ``OptimConfig``);
 * a field the release lacks: at its default (the nearest release's that has it) dropped silently, no warning naming
-  it; harmless (``_config_effects``) dropped with a warning on rank 0 naming it (the warn-once memory is emptied
+  it; harmless (``mcore_compat._translate.effects``) dropped with a warning on rank 0 naming it (the warn-once memory is emptied
   for the call and restored after); otherwise ``UnsupportedVersionError``, one line, naming it.
 
 Shared with the code under test: the generated field table (which names exist in which release, their defaults,
 the renames; checked against the release wheels by ``scripts/gen_config_fields.py --check`` and against the
-installed class by tests/test_config_fields_real.py), the harmless-if-missing table (``_config_effects``, the spec's
+installed class by tests/test_config_fields_real.py), the harmless-if-missing table (``mcore_compat._translate.effects``, the spec's
 own data), 0.4/0.5's optimizer settings (``optim_config._LEGACY_SETTINGS``), the ``accumulate_allreduce_grads_in_fp32``
 alias of 0.4-0.6 (from ``ddp_config``'s docstring) and ``detect()``'s release. Independent: which fields the
 installed release has (its real classes and constructor), the nearest-default rule (re-implemented here with
@@ -119,7 +119,7 @@ _PLAIN = (bool, int, float, str, type(None))
 # -------------------------------------------------------------------------------------------------- the table
 @cache
 def _rows(cls: str) -> dict[str, tuple[tuple[str, str | None], ...]]:
-    from mcore_compat._config_fields import FIELDS
+    from mcore_compat._translate.fields import FIELDS
 
     return dict(FIELDS[cls])
 
@@ -131,7 +131,7 @@ def _known(cls: str) -> frozenset[str]:
 @cache
 def _families(cls: str) -> dict[str, tuple[str, ...]]:
     """Each renamed field's names, oldest first (the table's renames and :data:`ALIASES`)."""
-    from mcore_compat._config_fields import RENAMES
+    from mcore_compat._translate.fields import RENAMES
 
     out: dict[str, tuple[str, ...]] = {}
     for old, new in (*RENAMES.get(cls, ()), *ALIASES.get(cls, ())):
@@ -200,7 +200,7 @@ def _value(cls: str, name: str) -> Any:
 @cache
 def _pools(cls: str) -> tuple[list[str], list[str]]:
     """``(all drawable names, the renamed or removed ones)``, sorted."""
-    from mcore_compat._config_fields import RELEASES
+    from mcore_compat._translate.fields import RELEASES
 
     names = sorted(n for n in _known(cls) if _options(cls, n)[0])
     newest = RELEASES[-1]
@@ -268,7 +268,7 @@ def draw(data: Any) -> dict[str, Any]:
 
 def _conflict_pairs(cls: str) -> list[tuple[str, str]]:
     """The table's renames and :data:`ALIASES` whose values can differ."""
-    from mcore_compat._config_fields import RENAMES
+    from mcore_compat._translate.fields import RENAMES
 
     return [(old, new) for old, new in (*RENAMES.get(cls, ()), *ALIASES.get(cls, ()))
             if sum(map(len, _options(cls, new))) >= 2]
@@ -287,7 +287,7 @@ def _default_where_absent(cls: str, names: tuple[str, ...], version: Any) -> tup
     any of ``names`` (the newer one on a tie); not known where that default is no literal."""
     from packaging.version import Version
 
-    from mcore_compat._config_fields import RELEASES
+    from mcore_compat._translate.fields import RELEASES
 
     here = Version(Version(str(version)).base_version)
     listed = [Version(r) for r in RELEASES]
@@ -404,7 +404,7 @@ class _Spec:
 
 
 def _spec(cls: str, fields: dict[str, Any], present: frozenset[str], version: Any) -> _Spec:
-    from mcore_compat._config_effects import harmless_if_missing
+    from mcore_compat._translate.effects import harmless_if_missing
 
     unknown = [n for n in fields if n not in _known(cls) and n not in present]
     given: dict[tuple[str, ...], list[str]] = {}

@@ -1050,7 +1050,7 @@ def _main_state(optimizer: Any, chunks: list[Any]) -> tuple[dict[str, list[float
     """Every parameter's fp32 main values and the gradient the optimizer will read (unscaled by fp16's loss
     scale), merged over the ranks (the distributed optimizer's shards put together), read through mcore_compat's
     optimizer view (a reader: a bug in it shows as a mismatch, it cannot hide a wrong update)."""
-    from mcore_compat._optimizer_view import optimizer_view
+    from mcore_compat._util.optimizer_view import optimizer_view
 
     named = _named(chunks)
     view = optimizer_view(optimizer, {p: n for n, p in named.items()})

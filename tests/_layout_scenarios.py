@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Union
 
-from mcore_compat._ranges import in_range
+from mcore_compat._facts.ranges import in_range
 from mcore_compat.layout import DEFAULT_BUCKET_SIZE, ModelLayout, compute_layout, layout_fact, layout_of
 
 BucketSizeArg = Union[int, None, type(DEFAULT_BUCKET_SIZE)]

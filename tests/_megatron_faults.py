@@ -761,7 +761,7 @@ FAULTS: dict[str, MegatronFault] = {
 
 def targets(fault: MegatronFault, version: Any) -> list[Target]:
     """The fault's targets on release ``version``."""
-    from mcore_compat._ranges import in_range
+    from mcore_compat._facts.ranges import in_range
 
     return [t for t in fault.targets if in_range(version, t.releases)]
 
@@ -787,7 +787,7 @@ def injected(name: str, version: Any) -> Iterator[Record]:
 def options(config: str) -> Any:
     """The resolved SelfCheckOptions of a configuration at world size 2 on CPU (coupled weight decay only where
     the release has it)."""
-    from mcore_compat._config_names import fields_in
+    from mcore_compat._translate.names import fields_in
     from mcore_compat.detect import detect
     from mcore_compat.selfcheck import SelfCheckOptions
 

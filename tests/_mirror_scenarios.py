@@ -113,7 +113,7 @@ def _parents(module: str) -> list[str]:
 
 def _case(module: str, name: str, release: str) -> dict[str, Any]:
     from mcore_compat import surface
-    from mcore_compat._mirror import mirror_path
+    from mcore_compat._facts.mirror import mirror_path
 
     where = surface.locate(module, name, release)
     mirror = _outcome(lambda: _from_import(mirror_path(module), name))
@@ -146,7 +146,7 @@ def _case(module: str, name: str, release: str) -> dict[str, Any]:
 
 def _module_case(module: str, release: str) -> dict[str, Any]:
     from mcore_compat import surface
-    from mcore_compat._mirror import mirror_path
+    from mcore_compat._facts.mirror import mirror_path
 
     below = [m for m in surface.modules() if m == module or m.startswith(module + ".")]
     reachable = any(surface.has_module(m, release) or any(surface.locate(m, n, release) for n in surface.moved_names(m))
@@ -161,7 +161,7 @@ def check_mirror() -> dict[str, Any]:
     from mcore_compat import patches
 
     patches.apply_for_device("cpu")
-    from mcore_compat._mirror import installed_release
+    from mcore_compat._facts.mirror import installed_release
 
     release = installed_release()
     cases = {f"{m}:{n}": _case(m, n, release) for m, n in dict.fromkeys(COMMON + MOVED + ABSENT)}

@@ -28,8 +28,8 @@ def _injected_drift(version: Any) -> list[str]:
     """The drift report with one wrong row injected: ``ddp_ctor``'s row for ``version`` says "wrong"."""
     import dataclasses
 
-    from mcore_compat._fact_table import FACTS
-    from mcore_compat._rows import Row
+    from mcore_compat._facts.rows import Row
+    from mcore_compat._facts.table import FACTS
     from mcore_compat.capabilities import drift
 
     right = FACTS["ddp_ctor"]
@@ -63,7 +63,7 @@ def _present(sym: Any, version: Any) -> list[str]:
 def _absent(sym: Any, version: Any) -> list[str]:
     """Problems of a symbol the table says does not exist in ``version``: its placeholder must be falsy and raise,
     naming the symbol, the installed version and the versions that have it; no known location may exist."""
-    from mcore_compat import _probes
+    from mcore_compat._facts import probes as _probes
     from mcore_compat.errors import SymbolUnavailableError
     from mcore_compat.symbols import Unavailable, resolve
 
@@ -95,8 +95,8 @@ def check_surface() -> dict[str, Any]:
     from mcore_compat import patches
 
     patches.apply_for_device("cpu")
-    from mcore_compat._fact_table import FACTS
-    from mcore_compat._symbol_table import SYMBOLS
+    from mcore_compat._facts.symbol_table import SYMBOLS
+    from mcore_compat._facts.table import FACTS
     from mcore_compat.capabilities import drift
     from mcore_compat.detect import detect
 

@@ -80,7 +80,7 @@ _GROUP_PLUGIN = "mcore-compat-rank-group"
 #: The fork server's preload of every rank group of the suite: ranks are forked with torch, the CPU patches and
 #: Megatron loaded (imported once per pytest process, not once per rank). The fresh-process path users get is
 #: proven in every release session by the CLI self-check that follows pytest, and by tests/test_launch.py.
-WARM_CPU = ("mcore_compat._warm_cpu",)
+WARM_CPU = ("mcore_compat._util.warm_cpu",)
 
 
 def _rank_group() -> Iterator[Any]:

@@ -1,6 +1,6 @@
 """The public API's breaking-change check (scripts/gen_api.py) catches what it is for, on a temporary copy of the
 package: a public name removed, a parameter renamed, a fact name removed each fail naming it; a deprecated alias
-declared in ``mcore_compat/_deprecated.py`` makes the same change pass; the committed listing parses and lists
+declared in ``mcore_compat/_util/deprecated.py`` makes the same change pass; the committed listing parses and lists
 the deprecated capability names.
 """
 
@@ -52,7 +52,7 @@ def _edit(path: Path, old: str, new: str) -> None:
 
 
 def _declare(root: Path, names: dict[str, str] | None = None, params: dict[str, str] | None = None) -> None:
-    with (root / "mcore_compat" / "_deprecated.py").open("a", encoding="utf-8") as f:
+    with (root / "mcore_compat" / "_util" / "deprecated.py").open("a", encoding="utf-8") as f:
         f.write(f"\nDEPRECATED_NAMES.update({names or {}!r})\nDEPRECATED_PARAMS.update({params or {}!r})\n")
 
 
@@ -79,8 +79,8 @@ def test_each_break_fails_naming_it_and_an_alias_excuses_removals(work: tuple[Pa
     _edit(caps, "def fact_row(", "def _fact_row(")
     _edit(caps, "def has(name: str, version:", "def has(name: str, release:")
     _edit(caps, "def resolved(version: Version | str | None = None)", "def resolved(version: Version | str | None)")
-    _edit(root / "mcore_compat" / "_fact_table.py", 'F("timers", ', 'F("timers_renamed", ')
-    _edit(root / "mcore_compat" / "_deprecated.py",
+    _edit(root / "mcore_compat" / "_facts" / "table.py", 'F("timers", ', 'F("timers_renamed", ')
+    _edit(root / "mcore_compat" / "_util" / "deprecated.py",
           '    _member("finalize_num_tokens", "finalize_params", "num_tokens", ">=0.7"),\n', "")
     failures, _ = GEN.breaking_changes(old, GEN.listing(root))
     unexcusable = ["mcore_compat.capabilities.resolved(version): Parameter is now required",

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import case_results, run_scenarios
 
-from mcore_compat._ranges import in_range
+from mcore_compat._facts.ranges import in_range
 from mcore_compat.binding import (
     BindingError,
     Manifest,

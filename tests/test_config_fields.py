@@ -1,6 +1,6 @@
 """The config-field data without Megatron: the generator's rules (scripts/gen_config_fields.py), the generated
 data's consistency with the project's other tables, the hand-written classification
-(mcore_compat/_config_effects.py), and the translation rules of mcore_compat.configs on a release given by version.
+(mcore_compat/_translate/effects.py), and the translation rules of mcore_compat.configs on a release given by version.
 
 What the data says about each release is checked against the real dataclasses in every release session
 (tests/test_config_fields_real.py).
@@ -20,18 +20,11 @@ from typing import Any
 import pytest
 from packaging.version import Version
 
-from mcore_compat import _config_fields as DATA
-from mcore_compat._config_effects import HARMLESS_IF_MISSING, harmless_if_missing
-from mcore_compat._config_names import (
-    NO_DEFAULT,
-    default_near,
-    drift,
-    existence_text,
-    family,
-    fields_in,
-)
-from mcore_compat._fact_table import DDP_SETTINGS
-from mcore_compat._ranges import in_range
+from mcore_compat._facts.ranges import in_range
+from mcore_compat._facts.table import DDP_SETTINGS
+from mcore_compat._translate import fields as DATA
+from mcore_compat._translate.effects import HARMLESS_IF_MISSING, harmless_if_missing
+from mcore_compat._translate.names import NO_DEFAULT, default_near, drift, existence_text, family, fields_in
 from mcore_compat.configs import translate_fields
 from mcore_compat.errors import InvalidArgumentError, UnsupportedVersionError
 from mcore_compat.rank0 import reset_warn_once
@@ -68,7 +61,7 @@ def _presence(cls: str, name: str) -> list[bool]:
 @pytest.mark.parametrize(("cls", "name"), [(c, n) for c, names in HARMLESS_IF_MISSING.items() for n in names])
 def test_every_harmless_entry_is_a_field_of_its_class(cls: str, name: str) -> None:
     assert cls in DATA.FIELDS, f"{cls} is not a config class of the generated data"
-    assert name in DATA.FIELDS[cls], f"{cls}.{name} is in no release (mcore_compat/_config_effects.py)"
+    assert name in DATA.FIELDS[cls], f"{cls}.{name} is in no release (mcore_compat/_translate/effects.py)"
 
 
 def test_the_adapters_settings_are_fields_of_the_generated_data() -> None:
@@ -108,7 +101,7 @@ def test_the_generated_data_covers_the_releases_of_the_matrix() -> None:
 
 
 def test_the_generated_classes_agree_with_the_symbol_table() -> None:
-    from mcore_compat._symbol_table import SYMBOLS
+    from mcore_compat._facts.symbol_table import SYMBOLS
 
     for cls, (module, ranges) in DATA.CLASSES.items():
         for release in DATA.RELEASES:

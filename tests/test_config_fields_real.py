@@ -1,7 +1,7 @@
 """The generated config-field data and the config builders against the ONE installed megatron-core (runs inside a
 matrix session, on a rank of the session's group: tests/_config_fields_scenarios.py).
 
-* ``mcore_compat/_config_fields.py`` agrees with the installed release's real ``dataclasses.fields`` of
+* ``mcore_compat/_translate/fields.py`` agrees with the installed release's real ``dataclasses.fields`` of
   ``TransformerConfig``, ``DistributedDataParallelConfig`` and ``OptimizerConfig`` (names and literal defaults), and
   with a wrong row injected the check names it;
 * ``mcore_compat.transformer_config`` builds the installed class from the field names of any release: a renamed
@@ -17,9 +17,9 @@ from typing import Any
 import _config_fields_scenarios as SCENARIOS
 import pytest
 
-from mcore_compat._config_effects import harmless_if_missing
-from mcore_compat._config_names import fields_in
-from mcore_compat._ranges import in_range
+from mcore_compat._facts.ranges import in_range
+from mcore_compat._translate.effects import harmless_if_missing
+from mcore_compat._translate.names import fields_in
 
 pytestmark = pytest.mark.mcore
 

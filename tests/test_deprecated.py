@@ -1,4 +1,4 @@
-"""The capability names removed on 2026-12-01 (``mcore_compat._deprecated``) answer as they did.
+"""The capability names removed on 2026-12-01 (``mcore_compat._util.deprecated``) answer as they did.
 
 * unit: for every release of the support matrix, ``has(old_name, release)`` (derived from today's facts) equals
   the old table's range; each name warns once (``DeprecationWarning``, naming its replacement); ``capability()``
@@ -17,11 +17,11 @@ from collections.abc import Callable
 
 import pytest
 
-from mcore_compat import _deprecated
-from mcore_compat._deprecated import DEPRECATED_FLAGS, DEPRECATED_NAMES
-from mcore_compat._fact_table import FACTS
-from mcore_compat._probes import calls_with_constant, def_has_param, defines, module_exists
-from mcore_compat._ranges import in_range
+from mcore_compat._facts.probes import calls_with_constant, def_has_param, defines, module_exists
+from mcore_compat._facts.ranges import in_range
+from mcore_compat._facts.table import FACTS
+from mcore_compat._util import deprecated as _deprecated
+from mcore_compat._util.deprecated import DEPRECATED_FLAGS, DEPRECATED_NAMES
 from mcore_compat.capabilities import capabilities, capability, has, resolved
 from mcore_compat.errors import UnknownFactError
 from mcore_compat.support import releases
@@ -160,7 +160,7 @@ def test_other_removed_names_answer_with_their_old_meaning() -> None:
     from packaging.version import Version
 
     from mcore_compat import training
-    from mcore_compat._rows import Fact
+    from mcore_compat._facts.rows import Fact
     from mcore_compat.binding.manifest import Manifest
     from mcore_compat.selfcheck.oracle import Rule
 
@@ -214,4 +214,4 @@ def test_alias_equals_old_probe_on_installed_release(name: str) -> None:
     assert said == in_range(version, DEPRECATED_FLAGS[name].was)
     found = OLD_PROBES[name]()
     assert said == found, (f"has({name!r}) is {said} on megatron-core {version}, the old capability table's probe "
-                           f"finds {found}; fix the row in mcore_compat/_deprecated.py")
+                           f"finds {found}; fix the row in mcore_compat/_util/deprecated.py")

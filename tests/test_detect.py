@@ -13,7 +13,7 @@ import pytest
 from packaging.version import Version
 
 import mcore_compat
-from mcore_compat._ranges import feature_version, in_range
+from mcore_compat._facts.ranges import feature_version, in_range
 from mcore_compat.errors import MegatronNotFoundError
 
 detect_mod = importlib.import_module("mcore_compat.detect")  # the module (mcore_compat.detect is the function)

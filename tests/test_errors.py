@@ -35,7 +35,7 @@ _PROTOCOL_RAISES: dict[tuple[str, str, str], str] = {
         "the module __getattr__ that answers the deprecated name Capability says 'no such attribute' for others",
     ("mcore_compat.layout.version", "__getattr__", "AttributeError"):
         "the module __getattr__ that answers the deprecated name MIN_VERSION says 'no such attribute' for others",
-    ("mcore_compat._mirror", "MirrorModule.__getattr__", "AttributeError"):
+    ("mcore_compat._facts.mirror", "MirrorModule.__getattr__", "AttributeError"):
         "a mirror module answers dunder lookups (``__path__``, ``__file__``, ...) like any module: AttributeError, "
         "so the import system, copy and hasattr() work; a missing Megatron name raises NameUnavailableError",
     ("mcore_compat.symbols", "Unavailable.__getattr__", "AttributeError"):

@@ -237,7 +237,7 @@ def _warm_state() -> tuple[int, int, bool, float]:
     import torch
     import torch.distributed as dist
 
-    from mcore_compat import _warm_cpu
+    from mcore_compat._util import warm_cpu as _warm_cpu
 
     t = torch.tensor([dist.get_rank() + 1.0])
     dist.all_reduce(t)

@@ -19,7 +19,7 @@ import torch
 from _layout_scenarios import CASES, run_layout_cases
 from packaging.version import Version
 
-from mcore_compat._ranges import in_range
+from mcore_compat._facts.ranges import in_range
 from mcore_compat.errors import UnsupportedVersionError
 from mcore_compat.layout import (
     DEFAULT_BUCKET_SIZE,

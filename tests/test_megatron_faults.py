@@ -85,7 +85,7 @@ def test_every_fault_names_its_targets_and_checks() -> None:
     its targets' ranges leave a release out (0.4.0 is the oldest)."""
     from packaging.version import Version
 
-    from mcore_compat._ranges import in_range
+    from mcore_compat._facts.ranges import in_range
 
     for name, fault in mf.FAULTS.items():
         assert fault.simulates and fault.targets and fault.must_fail and fault.config in mf.CONFIGS, name

@@ -53,7 +53,7 @@ def test_the_mirror_gives_what_the_data_says(mirror: dict[str, Any], key: str) -
         assert error and error["compat_error"] and error["import_error"], case
         assert release in error["message"], error
         if error["symbol"] is None:  # the module (or a package above it) has nothing reachable on this release
-            from mcore_compat._mirror import real_path
+            from mcore_compat._facts.mirror import real_path
 
             assert error["releases"] == case["module_having"][real_path(error["module"])], error
         else:

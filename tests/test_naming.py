@@ -1,9 +1,9 @@
 """The naming rule of the public namespace (README "One naming rule"), read statically (no Megatron import).
 
 * ``mc.<Name>`` that Megatron-Core uses for a function or class is Megatron's own object: a row of the symbol
-  table (``mcore_compat/_symbol_table.py``) that resolves to Megatron's attribute of that name.
+  table (``mcore_compat/_facts/symbol_table.py``) that resolves to Megatron's attribute of that name.
 * Adapters (one signature on every release) are ``mcore_compat.training.<name>``; a top-level adapter under a
-  Megatron name is only a deprecated alias (``_deprecated.DEPRECATED_TOP_LEVEL``) that keeps its meaning and
+  Megatron name is only a deprecated alias (``mcore_compat._util.deprecated.DEPRECATED_TOP_LEVEL``) that keeps its meaning and
   warns once, naming the replacement.
 * No name means both at one level: the symbol rows and mcore_compat's own top-level names are disjoint.
 """
@@ -15,8 +15,9 @@ import warnings
 import pytest
 
 import mcore_compat as mc
-from mcore_compat import _deprecated, surface
-from mcore_compat._symbol_table import _ROWS
+from mcore_compat import surface
+from mcore_compat._facts.symbol_table import _ROWS
+from mcore_compat._util import deprecated as _deprecated
 
 pytestmark = pytest.mark.unit
 
@@ -57,7 +58,7 @@ def _own_top_level() -> set[str]:
 def test_symbol_rows_are_megatrons_objects_under_megatrons_names() -> None:
     for row in _ROWS:
         for loc in row.locations:
-            if loc.module.startswith("mcore_compat._fallbacks"):  # a stand-in where the release lacks it
+            if loc.module.startswith("mcore_compat._facts.fallbacks"):  # a stand-in where the release lacks it
                 assert loc.attr == row.name, (row.name, loc)
                 continue
             megatron_name = loc.attr or loc.module.rsplit(".", 1)[-1]
@@ -72,7 +73,7 @@ def test_an_adapter_never_takes_a_megatron_name_at_the_top_level() -> None:
                if name not in NOT_AT_THE_SAME_LEVEL}
     assert set(clashes) == set(_deprecated.DEPRECATED_TOP_LEVEL), (
         f"mcore_compat.<name> that Megatron uses for a function or class must be Megatron's object (a row of "
-        f"_symbol_table.py) or a declared deprecated alias: {clashes}")
+        f"_facts/symbol_table.py) or a declared deprecated alias: {clashes}")
 
 
 def test_the_symbol_rows_and_mcore_compats_own_names_are_disjoint() -> None:

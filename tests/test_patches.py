@@ -179,7 +179,7 @@ def test_own_tensor_math_sets_the_cuda_factory_mode_aside_and_puts_it_back() -> 
     it. Set aside only when the mode is this thread's innermost one; restored on exceptions; no-op unapplied."""
     from torch.overrides import TorchFunctionMode
 
-    from mcore_compat._own_math import own_tensor_math
+    from mcore_compat._util.own_math import own_tensor_math
 
     @own_tensor_math
     def depth() -> int:
@@ -483,7 +483,7 @@ def _run_scenario(body: str) -> dict[str, Any]:
 
 def _skip_unless_bug_exists(patch: str) -> None:
     """Skip (a release limit) unless the installed release has the upstream bug ``patch`` fixes."""
-    from mcore_compat._ranges import range_text
+    from mcore_compat._facts.ranges import range_text
     from mcore_compat.detect import detect
 
     version = detect().version

@@ -89,7 +89,7 @@ print(json.dumps(out))
 
 
 def _installed_in(spec: str) -> bool:
-    from mcore_compat._ranges import in_range
+    from mcore_compat._facts.ranges import in_range
     from mcore_compat.detect import detect
 
     return in_range(detect().version, spec)

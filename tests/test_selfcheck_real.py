@@ -121,7 +121,7 @@ def _installed() -> Version:
 
 
 def _applies(fault: str) -> bool:
-    from mcore_compat._ranges import in_range
+    from mcore_compat._facts.ranges import in_range
 
     return in_range(_installed(), FAULT_CASES[fault].releases)
 
@@ -483,7 +483,7 @@ def test_own_optimizer_refuses_tied_embeddings_it_would_train_wrong(world4_group
     Megatron's optimizer builds it (and the self-check proves its training above)."""
     import _own_model_scenarios as scenarios
 
-    from mcore_compat._ranges import in_range
+    from mcore_compat._facts.ranges import in_range
 
     messages = world4_group.run(scenarios.legacy_tied_refusal, timeout=600)
     if in_range(_installed(), "<0.6"):

@@ -1,6 +1,6 @@
-"""The generated surface data without Megatron: the static reader's rules (mcore_compat/_surface_read.py) on small
+"""The generated surface data without Megatron: the static reader's rules (mcore_compat/_facts/surface_read.py) on small
 made-up releases, the move matching and the check of declared moves (scripts/gen_surface.py), the consistency of
-mcore_compat/_surface_data.py, and the query API (mcore_compat.surface).
+mcore_compat/_facts/surface_data.py, and the query API (mcore_compat.surface).
 
 What the data says about each release is checked against the installed files in every release session
 (tests/test_surface_data_real.py); the mirror that resolves through it, in tests/test_mirror_real.py.
@@ -16,10 +16,10 @@ from types import ModuleType
 import pytest
 from packaging.version import Version
 
-from mcore_compat import _surface_data as DATA
 from mcore_compat import surface
-from mcore_compat._ranges import specifier
-from mcore_compat._surface_read import Release, ReleaseSurface
+from mcore_compat._facts import surface_data as DATA
+from mcore_compat._facts.ranges import specifier
+from mcore_compat._facts.surface_read import Release, ReleaseSurface
 
 pytestmark = pytest.mark.unit
 
@@ -232,7 +232,7 @@ def test_private_dunder_and_imported_names_are_in_the_data(module: str, name: st
 
 
 def test_a_name_a_later_release_has_is_said_so_by_the_mirror() -> None:
-    from mcore_compat._mirror import _unavailable
+    from mcore_compat._facts.mirror import _unavailable
 
     text = _unavailable("megatron.core.dist_checkpointing.strategies.async_utils", "_disable_gc", "0.8.0")["message"]
     assert text.endswith("releases 0.12.0-0.19.2 have it"), text

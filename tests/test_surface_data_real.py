@@ -1,4 +1,4 @@
-"""The generated surface data (mcore_compat/_surface_data.py) against the ONE installed megatron-core's files (runs
+"""The generated surface data (mcore_compat/_facts/surface_data.py) against the ONE installed megatron-core's files (runs
 inside a matrix session; static read, nothing of Megatron imported).
 
 * the public modules the data lists for the installed release are exactly those of its files;
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from mcore_compat import _surface_data as DATA
 from mcore_compat import surface
+from mcore_compat._facts import surface_data as DATA
 from mcore_compat.detect import detect
 
 pytestmark = pytest.mark.mcore

@@ -18,8 +18,8 @@ from typing import Any
 import _surface_scenarios as SCENARIOS
 import pytest
 
-from mcore_compat._fact_table import FACTS
-from mcore_compat._symbol_table import SYMBOLS
+from mcore_compat._facts.symbol_table import SYMBOLS
+from mcore_compat._facts.table import FACTS
 
 pytestmark = pytest.mark.mcore
 
@@ -40,7 +40,7 @@ def test_fact_row_matches_code(surface: dict[str, Any], name: str) -> None:
     assert row["said"] == row["found"], (
         f"fact {name!r}: the table says {row['said']!r} for megatron-core {version} (row {row['row']!r}), but the "
         f"probe finds {row['found']!r} in {row['files']} under {surface['path']}. Fix the row in "
-        f"mcore_compat/_fact_table.py."
+        f"mcore_compat/_facts/table.py."
     )
 
 

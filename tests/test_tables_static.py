@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from packaging.version import Version
 
-from mcore_compat._fact_table import FACTS
-from mcore_compat._ranges import in_range, specifier
-from mcore_compat._rows import Fact, Row, Symbol, complement, flag
-from mcore_compat._symbol_table import SYMBOLS
+from mcore_compat._facts.ranges import in_range, specifier
+from mcore_compat._facts.rows import Fact, Row, Symbol, complement, flag
+from mcore_compat._facts.symbol_table import SYMBOLS
+from mcore_compat._facts.table import FACTS
 from mcore_compat.capabilities import capabilities, capability, drift, fact, fact_row, has
 from mcore_compat.errors import UnknownFactError, UnsupportedVersionError
 from mcore_compat.support import releases
@@ -202,7 +202,7 @@ def test_symbol_row(sym: Symbol) -> None:
     assert sym.doc.strip(), f"{sym.name}: empty doc"
     for loc in sym.locations:
         _check_range(loc.versions)
-        assert loc.module.startswith(("megatron.", "mcore_compat._fallbacks")), (
+        assert loc.module.startswith(("megatron.", "mcore_compat._facts.fallbacks")), (
             f"{sym.name}: {loc.module} is neither a megatron module nor one of our fallbacks")
         assert all(_IDENT.match(part) for part in loc.module.split(".")), f"{sym.name}: bad module {loc.module}"
         assert loc.attr is None or _IDENT.match(loc.attr), f"{sym.name}: bad attr {loc.attr!r}"

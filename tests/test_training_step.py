@@ -24,7 +24,7 @@ import pytest
 from conftest import case_results, run_scenarios
 from packaging.version import Version
 
-from mcore_compat._ranges import in_range
+from mcore_compat._facts.ranges import in_range
 from mcore_compat.errors import InvalidArgumentError, UnsupportedVersionError
 from mcore_compat.training.ddp import DDPConfig, ddp_config_of
 from mcore_compat.training.optimizer import OptimConfig

@@ -14,7 +14,7 @@ from typing import Any, Final
 
 import torch
 
-from .._deprecated import warn_deprecated_name
+from .._util.deprecated import warn_deprecated_name
 from .errors import BindingError
 from .views import dtype_from_name, dtype_name, flat_view, slice_view
 

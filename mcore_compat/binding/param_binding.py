@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .._own_math import own_tensor_math
+from .._util.own_math import own_tensor_math
 from ..layout import ModelLayout
 from ..layout.read import unwrap
 from .errors import BindingError

@@ -220,7 +220,7 @@ class Coordinates:
 
 def coordinates() -> Coordinates:
     """This rank's :class:`Coordinates` (defaults when model parallelism is not initialised)."""
-    from .._rank_coords import read
+    from .._util.rank_coords import read
 
     c = read()  # the one reader of parallel_state (checkpoint.coords reads it too)
     return Coordinates(c["tp"], c["tp_size"], c["pp"], c["ep"], c["etp"], c["etp_size"])

@@ -38,7 +38,7 @@ class Coords:
 
 def coords(n_chunks: int) -> Coords:
     """This rank's :class:`Coords` (a single process when ``torch.distributed`` is not initialised)."""
-    from .._rank_coords import read
+    from .._util.rank_coords import read
 
     c = read()  # the one reader of parallel_state (binding.placement reads it too)
     return Coords(**{f.name: c[f.name] for f in fields(Coords) if f.name != "vpp"}, vpp=n_chunks)

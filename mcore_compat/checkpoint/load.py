@@ -24,12 +24,7 @@ import torch
 
 from ..layout.read import unwrap
 from .coords import Coords, coords, is_expert
-from .errors import (
-    CheckpointError,
-    CheckpointFormatError,
-    CheckpointMismatchError,
-    CheckpointReshardError,
-)
+from .errors import CheckpointError, CheckpointFormatError, CheckpointMismatchError, CheckpointReshardError
 from .files import verify_shard
 from .manifest import FORMAT, Manifest, ShardFile, read_manifest
 from .megatron_files import is_megatron_checkpoint

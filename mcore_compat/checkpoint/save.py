@@ -28,15 +28,7 @@ import torch
 from .._version import __version__
 from .coords import Coords, coords
 from .errors import CheckpointError
-from .files import (
-    ALGORITHM,
-    HashingWriter,
-    describe,
-    fsync_dir,
-    publish,
-    stage_name,
-    tensor_checksums,
-)
+from .files import ALGORITHM, HashingWriter, describe, fsync_dir, publish, stage_name, tensor_checksums
 from .manifest import (
     CHECKSUMS,
     FORMAT,

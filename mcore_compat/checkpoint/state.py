@@ -2,7 +2,7 @@
 
 * **model**: each chunk's ``state_dict()`` (the unwrapped module's: no DDP / Float16Module prefix), tensors copied
   to CPU;
-* **optimizer**: one record per main param (:mod:`mcore_compat._optimizer_view`), keyed by the model param's
+* **optimizer**: one record per main param (:mod:`mcore_compat._util.optimizer_view`), keyed by the model param's
   name and the flattened range it covers, with its state (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``); the
   torch optimizers' param-group settings and the grad scalers' state. Keyed by model param, not by Megatron's
   bucket layout, so the same records load into a distributed optimizer of another data-parallel size or into a
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .._optimizer_view import MainParam, optimizer_view
+from .._util.optimizer_view import MainParam, optimizer_view
 from ..layout.read import unwrap
 from .coords import Coords, is_expert
 from .errors import CheckpointError

@@ -46,7 +46,7 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit status (2 for bad arguments, with the usage of the subcommand they
     were given to; 141 with nothing printed when the reader of a pipe closed it, ``... | head``)."""
-    from .._pipes import exit_status
+    from .._util.pipes import exit_status
 
     return exit_status(lambda: _main(argv))
 

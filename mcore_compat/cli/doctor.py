@@ -179,7 +179,7 @@ def _prepare_import() -> str | None:
 
 
 def _symbols(version: Any) -> list[dict[str, Any]]:
-    from .._symbol_table import SYMBOLS
+    from .._facts.symbol_table import SYMBOLS
 
     rows = []
     for name, sym in sorted(SYMBOLS.items()):

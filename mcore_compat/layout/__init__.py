@@ -15,7 +15,7 @@ Both return a :class:`ModelLayout` (:mod:`.model`); two layouts compare equal ex
 and parameter offset agrees, and :meth:`ModelLayout.diff` says where they differ.
 
 Every version-dependent fact is a row of :data:`LAYOUT_FACTS` (:mod:`.facts`: the buffer-layout part of the one
-fact table, :mod:`mcore_compat._fact_table`, each fact probed against the installed release); the code looks facts
+fact table, :mod:`mcore_compat._facts.table`, each fact probed against the installed release); the code looks facts
 up there instead of comparing versions.
 """
 

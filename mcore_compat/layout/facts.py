@@ -1,6 +1,6 @@
 """The version-dependent facts of Megatron-Core's flat grad/param buffers: :data:`LAYOUT_FACTS` and :func:`layout_fact`.
 
-The facts are rows of the one fact table (:mod:`mcore_compat._fact_table`, its buffer-layout section), each with
+The facts are rows of the one fact table (:mod:`mcore_compat._facts.table`, its buffer-layout section), each with
 a probe of the Megatron file it is read from; the code of :mod:`mcore_compat.layout` looks them up here instead of
 comparing versions.
 """
@@ -11,14 +11,14 @@ from typing import Any, Final
 
 from packaging.version import Version
 
-from .._fact_table import FACTS, LAYOUT_FACT_NAMES
-from .._rows import Fact
+from .._facts.rows import Fact
+from .._facts.table import FACTS, LAYOUT_FACT_NAMES
 from ..capabilities import fact
 from ..errors import UnknownFactError
 
 __all__ = ["LAYOUT_FACTS", "layout_fact"]
 
-#: fact name -> :class:`~mcore_compat._rows.Fact` (rows of ``(version range -> value)``): the buffer-layout part
+#: fact name -> :class:`~mcore_compat._facts.rows.Fact` (rows of ``(version range -> value)``): the buffer-layout part
 #: of the fact table.
 LAYOUT_FACTS: Final[dict[str, Fact[Any]]] = {name: FACTS[name] for name in LAYOUT_FACT_NAMES}
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from packaging.version import Version
 
-from .._deprecated import warn_deprecated_name
-from .._ranges import feature_version
+from .._facts.ranges import feature_version
+from .._util.deprecated import warn_deprecated_name
 from ..errors import UnsupportedVersionError
 from .facts import LAYOUT_FACTS
 

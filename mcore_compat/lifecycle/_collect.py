@@ -8,7 +8,7 @@
   is the fact ``grad_data_attr``), every ``param.main_grad`` (0.4/0.5 expert grads and 0.17+'s fp32 extra main
   grads live outside the buffers), ``param.grad`` and the main params' ``.grad``;
 * **optimizer_state**: the optimizer's main params (fp32 copies or shards, read with
-  :func:`mcore_compat._optimizer_view.optimizer_view`) and every tensor of its torch optimizers' state
+  :func:`mcore_compat._util.optimizer_view.optimizer_view`) and every tensor of its torch optimizers' state
   (Adam's ``exp_avg``/``exp_avg_sq``/``step``, ...).
 
 Memory is handled per storage: views (params aliasing ``param_data``, ``main_grad`` aliasing ``grad_data``,
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .._optimizer_view import optimizer_view
+from .._util.optimizer_view import optimizer_view
 from ..capabilities import fact
 from ..layout.read import ddp_buffers
 from .errors import OffloadError

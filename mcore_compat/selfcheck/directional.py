@@ -75,12 +75,20 @@ a part-1 failure (at most :data:`MAX_BISECT_NODES`).
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from ._fd_parts import Block, Eval, bisect, stable
+from ._fd_parts import seed as direction_seed
+from ._float64 import (
+    dropout_reproducible,
+    dtype_name,
+    float64_copy,
+    float_keeps_float64,
+    has_dropout,
+    inputs_to_float64,
+)
 from .report import Check
 
 __all__ = ["CALIBRATION", "DIRECTIONS", "ETA", "G64_RHO", "K_SIGMA", "LOSS_RHO", "RHO", "FiniteDifferences",
@@ -116,176 +124,12 @@ _NAME = "grads_match_directional_derivatives"
 _LOSS = "loss_matches_float64"
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-# ------------------------------------------------------------------------------------------------ the float64 copy
-def float64_copy(module: Any) -> Any:
-    """A float64 copy of ``module`` (DDP and ``Float16Module`` stripped): parameters and floating buffers cast from
-    the module's (exactly), the same process groups, its configs copied with ``params_dtype`` float64 and the
-    bf16/fp16 flags off (the schedule's hooks cleared), softmax modules' half-precision input flags off."""
-    import torch
-
-    from .reference import _plain_copy, _without_hooks
-    from .wrappers import core_module
-
-    core = core_module(module)
-    configs: dict[int, Any] = {}
-    for sub in core.modules():
-        cfg = sub.__dict__.get("config")
-        if cfg is not None and id(cfg) not in configs:
-            mine = copy.copy(_without_hooks(cfg))
-            if mine is cfg:
-                mine = copy.copy(cfg)
-            for attr, value in (("params_dtype", torch.float64), ("bf16", False), ("fp16", False)):
-                if hasattr(mine, attr):
-                    try:
-                        object.__setattr__(mine, attr, value)
-                    except (AttributeError, TypeError):
-                        pass
-            configs[id(cfg)] = mine
-    dup = _plain_copy(core, dtype=torch.float64, configs=configs)
-    dup.double()
-    for sub in dup.modules():
-        for flag in ("input_in_fp16", "input_in_bf16", "input_in_float16"):
-            if isinstance(sub.__dict__.get(flag), bool):
-                setattr(sub, flag, False)
-    for p in dup.parameters():
-        p.requires_grad_(False)
-    return dup
-
-
-@contextlib.contextmanager
-def _float_keeps_float64() -> Iterator[None]:
-    """Within: ``Tensor.float()`` of a float64 tensor returns it (a loss function's ``output.float()`` would round
-    the float64 copy's loss to float32); every other tensor as before."""
-    import torch
-
-    real = torch.Tensor.float
-
-    def float_(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.dtype == torch.float64 and not args and not kwargs:
-            return self
-        return real(self, *args, **kwargs)
-
-    torch.Tensor.float = float_  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.Tensor.float = real  # type: ignore[method-assign]
-
-
-def _inputs_to_float64(module: Any) -> Any:
-    """A forward pre-hook handle casting the floating tensor inputs of ``module`` to float64 (Megatron's
-    ``Float16Module`` casts the model's inputs to its dtype the same way)."""
-    import torch
-
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64:
-            return x.double()
-        return x
-
-    def hook(_m: Any, args: Any, kwargs: Any) -> Any:
-        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
-
-    return module.register_forward_pre_hook(hook, with_kwargs=True)
-
-
-def _dropout_reproducible(device: Any, dtype: Any) -> bool:
-    """Whether dropout on ``device`` draws the same mask for a float64 tensor as for one of ``dtype`` from the same
-    generator state (a probe: the CPU draws per element independent of the dtype; an accelerator's kernel may
-    not)."""
-    import torch
-
-    from .rng_replay import capture, restore
-
-    left = capture()
-    try:
-        x = torch.ones(4096, device=device)
-        masks = []
-        for dt in (dtype, torch.float64):
-            restore(left)
-            masks.append(torch.nn.functional.dropout(x.to(dt), 0.5, training=True) != 0)
-        return bool(torch.equal(masks[0], masks[1]))
-    finally:
-        restore(left)
-
-
-# ------------------------------------------------------------------------------------------------ the check
-class _Eval(NamedTuple):
-    """One direction restricted to a set of blocks (every rank the same: global sums): ``<g, v>`` of the model's
-    finalized gradient, ``<g64, v>`` of the float64 copy's, ``D(h)`` (``nan`` where not evaluated), the bound of
-    ``|<g64, v> - D|`` (its finite-difference part and the float64 rounding of ``g64``), the bound of
-    ``|<g, v> - <g64, v>|`` (the model dtype's gradient error) and ``|g|`` of the set."""
-
-    gv: float
-    g64v: float
-    d: float
-    fd_bound: float
-    bound64: float
-    dtype_bound: float
-    gnorm: float
-
-    def backward_fails(self) -> bool:
-        """The float64 copy's gradient disagrees with its own forward (the backward code)."""
-        return not math.isnan(self.d) and abs(self.g64v - self.d) > self.bound64
-
-    def dtype_fails(self) -> bool:
-        """The model's gradient disagrees with the float64 copy's beyond the model dtype's error."""
-        return abs(self.gv - self.g64v) > self.dtype_bound
-
-    def fails(self) -> bool:
-        return self.backward_fails() or self.dtype_fails()
-
-    def why(self) -> str:
-        parts = []
-        if self.backward_fails():
-            if abs(self.d) <= self.fd_bound:
-                parts.append(f"the forward does not read it: directional derivative 0 within {self.fd_bound:.2g}, "
-                             f"the backward's <g64, v> {self.g64v:.4g}")
-            else:
-                parts.append(f"the backward's <g64, v> {self.g64v:.4g} vs the forward's D {self.d:.4g}, bound "
-                             f"{self.bound64:.2g}")
-        if self.dtype_fails():
-            parts.append(f"the step's <g, v> {self.gv:.4g} vs the float64 copy's {self.g64v:.4g}, bound "
-                         f"{self.dtype_bound:.2g}")
-        return "; ".join(parts)
-
-
-@dataclass
-class _Block:
-    """One parameter block: its model param, the main params standing for it and its weights in the sums."""
-
-    name: str
-    param: Any
-    copy: Any
-    seed_key: int
-    weight: float  # the factor of this rank's sums of the whole param: 1 / (ranks holding the same values)
-    shard: int  # the ranks the distributed optimizer shards its main params over ((expert-)DP)
-    parts: list[Any]  # MainParams of this param on this rank
-    index: int = -1  # its place in the list of every rank's blocks (:attr:`FiniteDifferences.names_all`)
-
-
-def _seed(*parts: int) -> int:
-    h = 1469598103934665603
-    for p in parts:
-        h = ((h ^ (p & 0xFFFFFFFFFFFF)) * 1099511628211) & 0x7FFFFFFFFFFFFFFF
-    return h
-
-
-def _stable(name: str) -> int:
-    import zlib
-
-    return zlib.crc32(name.encode())
-
-
 class FiniteDifferences:
     """The check on every rank (collective: every rank calls :meth:`run`).
 
     Args:
         chunks: this rank's DDP-wrapped model chunks.
-        view: the optimizer's main params (:func:`mcore_compat._optimizer_view.optimizer_view`).
+        view: the optimizer's main params (:func:`mcore_compat._util.optimizer_view.optimizer_view`).
         groups: this rank's process groups (:class:`~.groups.Groups`).
         names: ``{param: name}`` of the trainable params (:func:`.verify.named_trainable`).
         per_token_loss: the schedule's ``calculate_per_token_loss``.
@@ -299,7 +143,7 @@ class FiniteDifferences:
         self.seed = seed
         self.copies: list[Any] = []
         self.routing: Any = None
-        self.blocks: list[_Block] = []
+        self.blocks: list[Block] = []
         #: every rank's blocks by name (a pipeline stage holds its own; the sums are over this list)
         self.names_all: list[str] = []
         self.evaluations = 0
@@ -331,10 +175,10 @@ class FiniteDifferences:
                 if "transformer_engine" in type(m).__module__:
                     return f"TransformerEngine's {type(m).__name__} has no float64 kernels"
         first = next(iter(self.names), None)
-        if (first is not None and any(_has_dropout(c) for c in self.chunks)
-                and not _dropout_reproducible(first.device, first.dtype)):
+        if (first is not None and any(has_dropout(c) for c in self.chunks)
+                and not dropout_reproducible(first.device, first.dtype)):
             return (f"dropout on {first.device.type}: a float64 tensor draws other masks than a "
-                    f"{_dtype_name(first.dtype)} one from the same generator state")
+                    f"{dtype_name(first.dtype)} one from the same generator state")
         del torch
         return None
 
@@ -370,13 +214,13 @@ class FiniteDifferences:
                 # (allreduce=False) lives on the expert-DP replicas of its EP rank, split over the expert TP
                 # group (the TP group before 0.11) or duplicated on it
                 if place.expert is not None:
-                    key = _seed(self.seed, _stable(where), coords.etp_rank if split else -1)
+                    key = direction_seed(self.seed, stable(where), coords.etp_rank if split else -1)
                     holders, shard = g.edp_size * (1 if split else coords.etp_size), g.edp_size
                 else:
-                    key = _seed(self.seed, _stable(where), g.tp_rank if split else -1)
+                    key = direction_seed(self.seed, stable(where), g.tp_rank if split else -1)
                     holders, shard = g.dp_size * (1 if split else g.tp), g.dp_size
                 stages = 2 if tied is not None and p is tied else 1
-                self.blocks.append(_Block(where, p, mine[name], key, 1.0 / (holders * stages), shard,
+                self.blocks.append(Block(where, p, mine[name], key, 1.0 / (holders * stages), shard,
                                           by_model.get(id(p), [])))
         from ..launch import gather_objects
 
@@ -388,13 +232,13 @@ class FiniteDifferences:
         for b in self.blocks:
             b.index = seen[b.name]
 
-    def _direction(self, block: _Block, k: int) -> Any:
+    def _direction(self, block: Block, k: int) -> Any:
         """``v_b^k``, drawn on the param's device (a generator there: a CPU draw of every block, four times per
         evaluation, cost seconds per evaluation on a 0.2B-param model; ranks of one device type draw the same)."""
         import torch
 
         device = block.param.device
-        gen = torch.Generator(device=device).manual_seed(_seed(block.seed_key, k))
+        gen = torch.Generator(device=device).manual_seed(direction_seed(block.seed_key, k))
         return torch.randn(block.param.shape, generator=gen, dtype=torch.float64, device=device)
 
     # -------------------------------------------------------------------------------------------- evaluations
@@ -456,7 +300,7 @@ class FiniteDifferences:
             _, loss, count = self._forward(forward_step_func, iters, mb, rng, keep=False)
             if loss is None:
                 continue
-            dtype = _dtype_name(loss.dtype) if dtype == "float64" else dtype
+            dtype = dtype_name(loss.dtype) if dtype == "float64" else dtype
             value = float(loss.detach().double())
             if count is not None:
                 tokens += count
@@ -506,9 +350,9 @@ class FiniteDifferences:
         self._build()
         self.routing = routing
         left = capture()
-        hooks = [_inputs_to_float64(c) for c in self.copies]
+        hooks = [inputs_to_float64(c) for c in self.copies]
         try:
-            with torch.no_grad(), _float_keeps_float64():
+            with torch.no_grad(), float_keeps_float64():
                 checks = self._run(forward_step_func, [None if b is None else list(b) for b in batches],
                                    num_microbatches, model_losses, loss_scale, rng)
             missed = self._reduce([float(bool(routing is not None and routing.missed))])[0]
@@ -607,7 +451,7 @@ class FiniteDifferences:
 
     def _run(self, forward_step_func: Callable[..., Any], batches: list[Any], num_microbatches: int,
              model_losses: Sequence[Any], loss_scale: float, rng: Any) -> list[Check]:
-        from .verify import _loss_value
+        from ._checks.values import loss_value as _loss_value
 
         g = self.groups
         nb = len(self.names_all)
@@ -620,7 +464,7 @@ class FiniteDifferences:
         gv, g64v, gg, tt, vv = self._stats(loss_scale, kappa)
         for b in self.blocks:
             b.copy.grad = None
-        dtype = _dtype_name(next(iter(self.names)).dtype) if self.names else "float32"
+        dtype = dtype_name(next(iter(self.names)).dtype) if self.names else "float32"
         rho = RHO.get(dtype, RHO["bfloat16"])
 
         # the loss at θ, per micro-batch, against the real step's
@@ -633,12 +477,12 @@ class FiniteDifferences:
             gnorm = math.sqrt(sum(gg[i] for i in subset))
             return sum(gv[i][k] for i in subset), sum(g64v[i][k] for i in subset), gnorm
 
-        def compare(subset: list[int], k: int) -> _Eval:
+        def compare(subset: list[int], k: int) -> Eval:
             """The model's gradient against the float64 copy's along direction ``k`` on ``subset`` (no forward)."""
             a, b64, gnorm = sums(subset, k)
-            return _Eval(a, b64, math.nan, 0.0, math.inf, K_SIGMA * rho * gnorm, gnorm)
+            return Eval(a, b64, math.nan, 0.0, math.inf, K_SIGMA * rho * gnorm, gnorm)
 
-        def evaluate(subset: list[int], k: int) -> _Eval:
+        def evaluate(subset: list[int], k: int) -> Eval:
             """Direction ``k`` restricted to ``subset``: also the float64 copy's gradient against the central
             difference of its loss (collective: four float64 forwards)."""
             theta = math.sqrt(sum(tt[i] for i in subset))
@@ -658,7 +502,7 @@ class FiniteDifferences:
             eps = _ROUNDINGS * u * max(abs(lp), abs(lm), abs(l2p), abs(l2m))
             fd_bound = abs(d1 - d2) + 2 * eps / h
             a, b64, gnorm = sums(subset, k)
-            return _Eval(a, b64, d1, fd_bound, fd_bound + K_SIGMA * G64_RHO * gnorm, K_SIGMA * rho * gnorm, gnorm)
+            return Eval(a, b64, d1, fd_bound, fd_bound + K_SIGMA * G64_RHO * gnorm, K_SIGMA * rho * gnorm, gnorm)
 
         everything = list(range(nb))
         results = [evaluate(everything, k) for k in range(DIRECTIONS)]
@@ -686,66 +530,25 @@ class FiniteDifferences:
         k = failing[0]
         r = results[k]
 
-        def derive(subset: list[int], k: int, parent: _Eval, sibling: _Eval) -> _Eval:
+        def derive(subset: list[int], k: int, parent: Eval, sibling: Eval) -> Eval:
             """``subset``, the parent's blocks less the sibling's, without a forward: ``D`` by linearity
             (the parent's less the sibling's), the two finite-difference bounds added."""
             a, b64, gnorm = sums(subset, k)
             fd = parent.fd_bound + sibling.fd_bound
-            return _Eval(a, b64, parent.d - sibling.d, fd, fd + K_SIGMA * G64_RHO * gnorm, K_SIGMA * rho * gnorm,
+            return Eval(a, b64, parent.d - sibling.d, fd, fd + K_SIGMA * G64_RHO * gnorm, K_SIGMA * rho * gnorm,
                          gnorm)
 
         if r.backward_fails():
-            named = self._bisect(evaluate, everything, k, r, derive)
+            named = bisect(self.names_all, evaluate, everything, k, r, derive, MAX_BISECT_NODES)
         else:
-            named = self._bisect(compare, everything, k, r, None)
+            named = bisect(self.names_all, compare, everything, k, r, None, MAX_BISECT_NODES)
+        self._set([], 0, 0.0)
         text = "; ".join(named[:6]) + (f"; and {len(named) - 6} more" if len(named) > 6 else "")
         what = ("the backward disagrees with the forward" if r.backward_fails()
                 else "the step's gradient disagrees with the float64 copy's")
         detail = f"direction {k}: {r.why()}; {what} on: {text}"
         return [Check(_NAME, False, detail, {**facts, "params": named}), loss_check]
 
-    def _bisect(self, evaluate: Callable[[list[int], int], _Eval], subset: list[int], k: int, top: _Eval,
-                derive: Callable[[list[int], int, _Eval, _Eval], _Eval] | None) -> list[str]:
-        """The blocks of ``subset`` whose gradient disagrees with the forward along direction ``k`` (``top``: the
-        evaluation of the whole ``subset``): each node's first half evaluated, its second derived from the node and
-        the first half (``derive``, no forward; where ``derive`` is None, evaluated too), the failing ones bisected
-        further, at most :data:`MAX_BISECT_NODES` evaluations (every rank makes the same choices: the sums are
-        global)."""
-        out: list[str] = []
-        budget = [MAX_BISECT_NODES]
-
-        def visit(part: list[int], here: _Eval) -> None:
-            mid = len(part) // 2
-            halves = (part[:mid], part[mid:])
-            results: list[_Eval | None] = []
-            for half in halves:
-                first = results[0] if results else None
-                if derive is not None and first is not None:
-                    results.append(derive(half, k, here, first))
-                    continue
-                if derive is not None and budget[0] <= 0:  # part 2's comparisons cost no forward: no budget
-                    name = self.names_all[half[0]]
-                    out.append(f"{name} (not evaluated: bisection budget spent)" if len(half) == 1 else
-                               f"{len(half)} params from {name} (not bisected: budget spent)")
-                    results.append(None)
-                    continue
-                budget[0] -= 1
-                results.append(evaluate(half, k))
-            bad = [(half, r) for half, r in zip(halves, results, strict=True) if r is not None and r.fails()]
-            if not bad and all(r is not None for r in results):  # neither half alone exceeds its bound: the set
-                out.append(f"{len(part)} params from {self.names_all[part[0]]} to {self.names_all[part[-1]]}")
-            for half, r in bad:
-                if len(half) == 1:
-                    out.append(f"{self.names_all[half[0]]} ({r.why()})")
-                else:
-                    visit(half, r)
-
-        if len(subset) == 1:
-            out.append(f"{self.names_all[subset[0]]} ({top.why()})")
-        else:
-            visit(subset, top)
-        self._set([], 0, 0.0)
-        return out
 
     def _loss_check(self, got64: list[float], model: list[float | None], dtype: str) -> Check:
         if not got64:
@@ -765,20 +568,6 @@ class FiniteDifferences:
                          {"worst": worst})
         return Check(_LOSS, False, "; ".join(failures[:3]) + " (the forward computed with other values than the "
                                                              "current params?)", {"worst": worst})
-
-
-def _has_dropout(chunk: Any) -> bool:
-    from .wrappers import core_module
-
-    for m in core_module(chunk).modules():
-        cfg = m.__dict__.get("config")
-        for name in ("hidden_dropout", "attention_dropout"):
-            if cfg is not None and isinstance(getattr(cfg, name, 0.0), float) and getattr(cfg, name) > 0:
-                return True
-        p = m.__dict__.get("p")
-        if "Dropout" in type(m).__name__ and isinstance(p, float) and p > 0:
-            return True
-    return False
 
 
 def not_requested() -> list[Check]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._own_math import own_tensor_math
+from .._util.own_math import own_tensor_math
 from . import fused, triton_sums
 
 __all__ = ["Fingerprint", "changed", "fingerprint", "fingerprints"]

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._own_math import own_tensor_math
+from .._util.own_math import own_tensor_math
 from ..errors import McoreCompatError
 from ..launch import gather_objects
 from . import models, plain_gpt
@@ -91,7 +91,7 @@ def _shard(full: Any, dim: int, stride: int, rank: int, tp: int) -> Any:
 
 
 def _loss_of(d: Any) -> float | None:
-    from .verify import _loss_value
+    from ._checks.values import loss_value as _loss_value
 
     return _loss_value(d)
 
@@ -103,7 +103,7 @@ class IndependentReference:
         opts: the run's resolved options.
         chunks: this rank's DDP-wrapped model chunks.
         config: their TransformerConfig.
-        view: the optimizer's main params (:func:`mcore_compat._optimizer_view.optimizer_view`).
+        view: the optimizer's main params (:func:`mcore_compat._util.optimizer_view.optimizer_view`).
     """
 
     def __init__(self, opts: SelfCheckOptions, chunks: Sequence[Any], config: Any, view: Any) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .._own_math import own_tensor_math
+from .._util.own_math import own_tensor_math
 from .reference import ceil_log2
 from .wrappers import unwrap_ddp
 

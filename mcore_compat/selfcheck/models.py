@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .._config_names import fields_in
+from .._translate.names import fields_in
 from ..capabilities import capability, has
 from ..detect import detect
 from .options import SelfCheckOptions
@@ -65,7 +65,7 @@ def _symbols() -> Any:
 
 @dataclass(frozen=True)
 class _Requirement:
-    """A configuration feature and the capability (a boolean fact of ``mcore_compat._fact_table``) it needs."""
+    """A configuration feature and the capability (a boolean fact of ``mcore_compat._facts.table``) it needs."""
 
     feature: str
     applies: Callable[[SelfCheckOptions], bool]

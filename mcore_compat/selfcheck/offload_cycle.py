@@ -5,7 +5,7 @@ Each cycle offloads params, grads and optimizer state (even cycles) or grads and
 cycles: the params stay for a weight hand-off), then reloads them. The tensors are found here independently of
 the offload code (every param and module buffer of every chunk, DDP's buffers, each ``main_grad``, the
 optimizer's main params, their ``.grad`` and their state, read through
-:func:`~mcore_compat._optimizer_view.optimizer_view`), and three checks come out:
+:func:`~mcore_compat._util.optimizer_view.optimizer_view`), and three checks come out:
 
 * ``offload_frees_memory``: after ``offload`` every storage of an offloaded piece is 0 bytes and every kept one
   is untouched; on CUDA, ``torch.cuda.memory_allocated()`` dropped by at least their bytes;
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._own_math import own_tensor_math
+from .._util.own_math import own_tensor_math
 from .report import Check
 
 __all__ = ["OffloadCycles"]
@@ -116,7 +116,7 @@ class OffloadCycles:
     Args:
         chunks: the DDP-wrapped model chunks.
         optimizer: their optimizer.
-        view: the optimizer's main params (:func:`~mcore_compat._optimizer_view.optimizer_view` with names).
+        view: the optimizer's main params (:func:`~mcore_compat._util.optimizer_view.optimizer_view` with names).
         cycles: how many cycles in all (0: none; the checks are then left out of the report).
         fault: the self-check's injected fault (the offload faults act inside the offload code).
     """

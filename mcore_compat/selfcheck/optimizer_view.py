@@ -1,5 +1,5 @@
-"""Re-export of :mod:`mcore_compat._optimizer_view` (the main params of every optimizer layout), kept for imports."""
+"""Re-export of :mod:`mcore_compat._util.optimizer_view` (the main params of every optimizer layout), kept for imports."""
 
-from .._optimizer_view import MainParam, OptimizerView, optimizer_view
+from .._util.optimizer_view import MainParam, OptimizerView, optimizer_view
 
 __all__ = ["MainParam", "OptimizerView", "optimizer_view"]

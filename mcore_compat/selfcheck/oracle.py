@@ -36,8 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .._deprecated import warn_deprecated_name
-from .._own_math import own_tensor_math
+from .._util.deprecated import warn_deprecated_name
+from .._util.own_math import own_tensor_math
 
 __all__ = ["BOUND_TEXT", "Rule", "expected_step", "rule_of"]
 

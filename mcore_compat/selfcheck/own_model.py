@@ -44,7 +44,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .._gc import gc_paused
+from .._util.gc import gc_paused
 from ..errors import InvalidArgumentError
 from .report import Check, Report, merge_rank_checks
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._own_math import own_tensor_math
+from .._util.own_math import own_tensor_math
 from . import rng_replay
 from .rng_replay import RngReplay
 from .wrappers import unwrap_ddp

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from .._optimizer_view import optimizer_view
-from .._own_math import own_tensor_math
+from .._util.optimizer_view import optimizer_view
+from .._util.own_math import own_tensor_math
 from ..launch import gather_objects
 from . import models, progress
 from .configured import from_options

@@ -1,6 +1,6 @@
 """``python -m mcore_compat.support``: see :mod:`mcore_compat.support.cli`."""
 
-from .._pipes import exit_status
+from .._util.pipes import exit_status
 from .cli import main
 
 raise SystemExit(exit_status(main))

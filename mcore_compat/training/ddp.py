@@ -17,9 +17,9 @@ from typing import Any
 
 from packaging.version import Version
 
-from .._config_effects import harmless_if_missing
-from .._config_translate import drop_or_raise
-from .._fact_table import DDP_SETTINGS
+from .._facts.table import DDP_SETTINGS
+from .._translate.effects import harmless_if_missing
+from .._translate.translate import drop_or_raise
 from ..capabilities import fact, fact_row, has
 from ..errors import InvalidArgumentError, UnsupportedVersionError
 from ._common import (

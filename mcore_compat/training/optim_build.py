@@ -15,7 +15,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from .._config_translate import drop_or_raise
+from .._translate.translate import drop_or_raise
 from ..capabilities import has
 from ..errors import InvalidArgumentError, UnsupportedVersionError
 from ._common import as_chunk_list, default_dp_group, installed_version, parallel_state, same_group

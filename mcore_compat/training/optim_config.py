@@ -13,9 +13,9 @@ from typing import Any
 
 from packaging.version import Version
 
-from .._config_effects import harmless_if_missing
-from .._config_names import close_matches, existence_text, is_known
-from .._config_translate import drop_or_raise, translate_fields
+from .._translate.effects import harmless_if_missing
+from .._translate.names import close_matches, existence_text, is_known
+from .._translate.translate import drop_or_raise, translate_fields
 from ..errors import InvalidArgumentError, UnsupportedVersionError
 from ._common import config_items, installed_version, is_finite_real, is_integer, mcore
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from .._config_translate import drop_or_raise
+from .._translate.translate import drop_or_raise
 from ..capabilities import fact
 from ..errors import InvalidArgumentError, UnsupportedVersionError
 from ..rank0 import warn_once_rank_0

@@ -1,6 +1,6 @@
 """What every parameter trains with: :func:`effective_lr_and_weight_decay`.
 
-Reads the optimizer's main params and their param groups (``mcore_compat._optimizer_view``: Megatron's
+Reads the optimizer's main params and their param groups (``mcore_compat._util.optimizer_view``: Megatron's
 FP32, Float16 and Distributed optimizers, ``ChainedOptimizer``, mcore_compat's 0.4/0.5 optimizer) and names each
 by the model parameter it stands for, so the learning rate and weight decay can be compared per parameter across
 releases, precisions and the distributed optimizer.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._optimizer_view import optimizer_view
+from .._util.optimizer_view import optimizer_view
 from ..errors import UnsupportedFeatureError
 from ._common import as_chunk_list
 

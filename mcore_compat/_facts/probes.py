@@ -22,7 +22,7 @@ from functools import cache
 from pathlib import Path
 from typing import Generic, TypeVar, Union
 
-from .detect import detect
+from ..detect import detect
 
 __all__ = [
     "Probe",

@@ -1,4 +1,4 @@
-"""Lookups over the generated config-field data (``_config_fields.py``): which fields a config class has in a
+"""Lookups over the generated config-field data (``fields.py``): which fields a config class has in a
 release, what a renamed field is called there, a field's default, and a drift check against a real class.
 
 Nothing here imports Megatron; the real class is passed in where one is needed (:func:`drift`).
@@ -14,9 +14,9 @@ from typing import Any
 
 from packaging.version import Version
 
-from . import _config_fields as _data
-from ._ranges import feature_version, in_range, range_text
-from .errors import InvalidArgumentError
+from .._facts.ranges import feature_version, in_range, range_text
+from ..errors import InvalidArgumentError
+from . import fields as _data
 
 __all__ = ["NO_DEFAULT", "class_exists", "close_matches", "config_classes", "default_near", "drift",
            "existence_text", "family", "fields_in", "is_known"]
@@ -143,7 +143,7 @@ def drift(cls: str, real: Any, version: str | Version) -> list[str]:
     """Where the data for ``version`` disagrees with the real dataclass ``real`` of that release (``None`` where
     the release has no such class): fields missing or extra, and literal defaults that differ. Empty: it agrees.
     """
-    fix = "regenerate mcore_compat/_config_fields.py with scripts/gen_config_fields.py"
+    fix = "regenerate mcore_compat/_translate/fields.py with scripts/gen_config_fields.py"
     if real is None or not dataclasses.is_dataclass(real):
         return [f"the data says megatron-core {version} has {cls}, the release has none; {fix}"] \
             if class_exists(cls, version) else []

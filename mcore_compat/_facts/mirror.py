@@ -6,7 +6,7 @@ OptimizerConfig`` and imports on every release that has the name at that path or
 Megatron; the first use of a name imports Megatron's module that has it and returns Megatron's own object.
 
 * :class:`MirrorFinder` (on ``sys.meta_path``) makes ``import mcore_compat.core.a.b`` work for every module path
-  of the data (:mod:`mcore_compat._surface_data`); :class:`MirrorModule` is what it creates.
+  of the data (:mod:`mcore_compat._facts.surface_data`); :class:`MirrorModule` is what it creates.
 * A name is resolved, on each use (nothing is copied, so a later assignment in Megatron's module is seen), as:
   a submodule of the data -> the mirror's submodule; else the name of Megatron's module at the same path in the
   installed release; else the name where :func:`~mcore_compat.surface.locate` finds it; else, in a ``from ...
@@ -33,8 +33,8 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-from . import surface
-from .errors import NameUnavailableError, SymbolUnavailableError
+from .. import surface
+from ..errors import NameUnavailableError, SymbolUnavailableError
 
 #: The mirror's root package and the package it stands for.
 ROOT = "mcore_compat.core"
@@ -62,7 +62,7 @@ def mirror_path(megatron_name: str) -> str:
 
 def installed_release() -> str:
     """The installed megatron-core release, as the data looks it up (read without importing Megatron)."""
-    from .detect import detect
+    from ..detect import detect
 
     return str(detect().version)
 
@@ -91,7 +91,7 @@ def _unavailable(module: str, name: str | None, release: str) -> dict[str, Any]:
         found = surface.releases_having(module, name)
         what = f"`{name}` from `{mirror_path(module)}` (`{module}.{name}`)"
     where = f"releases {surface.range_summary(found)} have it" if found else \
-        "no supported release has it (mcore_compat/_surface_data.py)"
+        "no supported release has it (mcore_compat/_facts/surface_data.py)"
     return {"message": f"cannot import {what}: megatron-core {release} has it neither at that path nor where it "
                        f"moved; {where}",
             "name": mirror_path(module), "symbol": name, "releases": tuple(found)}

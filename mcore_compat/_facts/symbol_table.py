@@ -7,8 +7,8 @@ location so that releases newer than the matrix resolve to the newest known plac
 
 from __future__ import annotations
 
-from ._rows import Location as L
-from ._rows import Symbol as S
+from .rows import Location as L
+from .rows import Symbol as S
 
 _ALL = ">=0.4"
 
@@ -48,7 +48,7 @@ _ROWS: tuple[S, ...] = (
       needs="transformer_engine in 0.4-0.7 (or patches.apply_for('te_less'))"),
     S("dist_checkpointing", (L(_ALL, "megatron.core.dist_checkpointing"),), "distributed checkpointing"),
     S("Timers", (L(">=0.5", "megatron.core.timers", "Timers"),), "timers (0.5+)"),
-    S("unwrap_model", (L("<0.14", "mcore_compat._fallbacks", "unwrap_model"),
+    S("unwrap_model", (L("<0.14", "mcore_compat._facts.fallbacks", "unwrap_model"),
                        L(">=0.14", "megatron.core.utils", "unwrap_model")),
       "strip DDP/Float16Module wrappers (Megatron's from 0.14; mcore-compat's own before)"),
     S("model_parallel_cuda_manual_seed",

@@ -1,6 +1,6 @@
 """Data: every version-dependent fact about Megatron-Core that mcore-compat reads, one row format.
 
-Each fact is a :class:`~mcore_compat._rows.Fact`: a name, rows ``(version range -> value)`` covering 0.4.0 and
+Each fact is a :class:`~mcore_compat._facts.rows.Fact`: a name, rows ``(version range -> value)`` covering 0.4.0 and
 everything newer, a description, and a probe that returns the value observed in the installed release. The
 adapters (``mcore_compat.training``, ``selfcheck``, ``layout``, ``binding``) read these rows through
 :func:`mcore_compat.capabilities.fact` and :func:`~mcore_compat.capabilities.has`; nothing else in the package
@@ -8,7 +8,7 @@ compares versions.
 ``tests/test_surface_real.py`` asserts ``probe() == value`` for every fact in every matrix session, so a wrong row
 fails in the session of the release it is wrong for.
 
-Boolean facts (capabilities) are written with :func:`~mcore_compat._rows.flag` (the range where they hold);
+Boolean facts (capabilities) are written with :func:`~mcore_compat._facts.rows.flag` (the range where they hold);
 valued facts list their rows. Every range boundary is a release of the support matrix (0.4.0 ... 0.19.2), and each
 description names the Megatron file (and the release) where the value changes.
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._layout_probes import bucket_size_none, min_params_per_sized_bucket, shared_embedding_split
-from ._probes import (
+from .layout_probes import bucket_size_none, min_params_per_sized_bucket, shared_embedding_split
+from .probes import (
     Probe,
     all_of,
     any_of,
@@ -45,8 +45,8 @@ from ._probes import (
     top_level_import,
     uses_string,
 )
-from ._rows import Fact, Row
-from ._rows import flag as F
+from .rows import Fact, Row
+from .rows import flag as F
 
 __all__ = ["DDP_SETTINGS", "FACTS", "LAYOUT_FACT_NAMES", "SCHEDULE_BASE_PARAMS"]
 

@@ -1,6 +1,6 @@
 """Static read of one Megatron-Core release's surface: its modules and every name each binds.
 
-Used by ``scripts/gen_surface.py`` (which writes ``mcore_compat/_surface_data.py`` from every release's wheel) and
+Used by ``scripts/gen_surface.py`` (which writes ``mcore_compat/_facts/surface_data.py`` from every release's wheel) and
 by the release sessions' check of that data against the installed tree (``tests/test_surface_data_real.py``).
 Nothing is imported: every file is read with ``ast``.
 

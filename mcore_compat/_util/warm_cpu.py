@@ -1,4 +1,4 @@
-"""A warm start for CPU ranks: imported ONCE by a fork server (``Group(..., warm=("mcore_compat._warm_cpu",))``)
+"""A warm start for CPU ranks: imported ONCE by a fork server (``Group(..., warm=("mcore_compat._util.warm_cpu",))``)
 so that every rank forked from it starts with torch, the patches a CPU run needs and Megatron-Core already loaded.
 
 Importing it does, in order, what a CPU rank's first job would do: import ``torch.distributed``, apply
@@ -26,7 +26,7 @@ _SUBMODULES = ("megatron.core.models.gpt", "megatron.core.distributed", "megatro
 def _warm() -> str | None:
     try:
         importlib.import_module("torch.distributed")
-        from . import patches
+        from .. import patches
 
         patches.apply_for_device("cpu")
         importlib.import_module("megatron.core")

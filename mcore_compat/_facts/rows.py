@@ -12,7 +12,7 @@ A boolean fact (a *capability*) is written with :func:`flag`: the range where it
 as ``False`` rows. A :class:`Symbol` of the import surface is the same shape: its :class:`Location` rows map a
 range to where the object lives.
 
-This module is a leaf (it imports only :mod:`mcore_compat._ranges` and :mod:`mcore_compat.errors`, both leaves),
+This module is a leaf (it imports only :mod:`mcore_compat._facts.ranges` and :mod:`mcore_compat.errors`, both leaves),
 so the tables import their row classes from here and the lookups import the tables, all at top level.
 """
 
@@ -24,8 +24,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from packaging.version import Version
 
-from ._ranges import in_range, range_text, specifier
-from .errors import InvalidArgumentError, UnsupportedVersionError
+from ..errors import InvalidArgumentError, UnsupportedVersionError
+from .ranges import in_range, range_text, specifier
 
 __all__ = ["Fact", "Location", "Row", "Symbol", "complement", "flag", "select"]
 
@@ -171,7 +171,7 @@ class Fact(Generic[V]):
         if found != row.value:
             return (f"fact {self.name!r}: the table says {row.value!r} for megatron-core {version} (row "
                     f"{row.versions!r}), but the probe finds {found!r} in {self.files() or 'the installed code'}. "
-                    f"Fix the row in mcore_compat/_fact_table.py.")
+                    f"Fix the row in mcore_compat/_facts/table.py.")
         return None
 
 

@@ -16,7 +16,7 @@ from functools import cache
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 __all__ = ["feature_version", "in_range", "parse_version", "range_text", "specifier"]
 

@@ -1,4 +1,4 @@
-"""Probes of the buffer-layout facts that no generic builder of :mod:`mcore_compat._probes` expresses.
+"""Probes of the buffer-layout facts that no generic builder of :mod:`mcore_compat._facts.probes` expresses.
 
 Each reads the source of the installed release with ``ast`` (no import) and returns the value the fact table
 holds for it: how a shared-embedding parameter gets a bucket of its own, how many params a bucket needs before
@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from ._probes import Probe, call_name, find_node, module_tree
+from .probes import Probe, call_name, find_node, module_tree
 
 __all__ = ["bucket_size_none", "min_params_per_sized_bucket", "shared_embedding_split"]
 

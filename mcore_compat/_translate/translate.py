@@ -2,8 +2,8 @@
 
 Below both the public builders (``mcore_compat/configs.py``, which re-exports :func:`translate_fields`) and the
 training-step modules (``mcore_compat/training/``), which use it for what the installed release lacks
-(:func:`drop_or_raise`). It reads the generated field data (``_config_names``) and the harmless-if-missing table
-(``_config_effects``); it imports nothing of ``configs`` or ``training``.
+(:func:`drop_or_raise`). It reads the generated field data (``names``) and the harmless-if-missing table
+(``effects``); it imports nothing of ``configs`` or ``training``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any
 
 from packaging.version import Version
 
-from ._config_effects import harmless_if_missing
-from ._config_names import close_matches, default_near, existence_text, family, fields_in, is_known
-from .errors import InvalidArgumentError, UnsupportedVersionError
-from .rank0 import warn_once_rank_0
+from ..errors import InvalidArgumentError, UnsupportedVersionError
+from ..rank0 import warn_once_rank_0
+from .effects import harmless_if_missing
+from .names import close_matches, default_near, existence_text, family, fields_in, is_known
 
 __all__ = ["drop_or_raise", "translate_fields"]
 

@@ -37,7 +37,7 @@ def read() -> dict[str, int]:
     if not initialised:
         return out
     try:
-        from . import symbols
+        from .. import symbols
 
         ps = symbols.resolve("parallel_state")
         if not ps.model_parallel_is_initialized():

@@ -2,7 +2,7 @@
 its replacement.
 
 The capability names below were rows of the capability table until 2026-12-01, when capabilities and the
-training tables became one fact table (:mod:`mcore_compat._fact_table`) and a group of flags became one valued
+training tables became one fact table (:mod:`mcore_compat._facts.table`) and a group of flags became one valued
 fact (``ddp_config``, ``ddp_flat_kwargs``, ... became the value of ``fact("ddp_ctor")``). Code written against
 the README of that day calls ``has("ddp_config")``; :func:`mcore_compat.capabilities.has` answers it from the fact
 that replaces it (:attr:`DeprecatedFlag.value`) and emits one :class:`DeprecationWarning` per name per process
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 __all__ = ["DEPRECATED_FLAGS", "DEPRECATED_NAMES", "DEPRECATED_PARAMS", "DEPRECATED_TOP_LEVEL", "DeprecatedFlag",
            "renamed_params",

@@ -1,5 +1,5 @@
 """Data: which config fields can be ignored where a release lacks them (hand-written, next to the generated
-``_config_fields.py``).
+``fields.py``).
 
 A field passed to :func:`mcore_compat.transformer_config` (or ``ddp_config``/``optimizer_config``, and the
 ``DDPConfig``/``OptimConfig`` adapters) that the installed release does not have is
