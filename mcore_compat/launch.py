@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import random
 import signal
 import socket
 import sys
@@ -43,7 +44,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from ._util.processes import dump_stacks, fork_server_context, stop_processes
+from ._util.processes import PORT_FLOOR, dump_stacks, ephemeral_low, fork_server_context, stop_processes
 from .errors import InvalidArgumentError, McoreCompatError
 
 __all__ = ["Group", "RankFailure", "RankTimeout", "StartRecord", "check_not_bootstrapping", "default_backend",
@@ -124,7 +125,24 @@ def check_not_bootstrapping() -> None:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now."""
+    """A TCP port on 127.0.0.1 that is free now, outside the kernel's ephemeral range where the kernel tells it.
+
+    The port cannot be reserved: the caller binds it later (a rendezvous store, rank 0's process group). A port
+    the kernel handed out for ``bind(port 0)`` is an ephemeral one, which any outgoing connection of any process
+    (gloo's, another job's) may be given meanwhile; below the ephemeral range (Linux:
+    ``/proc/sys/net/ipv4/ip_local_port_range``) only an explicit bind can take it. Falls back to the kernel's
+    choice where the range cannot be read or nothing below it is free."""
+    low = ephemeral_low()
+    if low is not None and low > PORT_FLOOR + 1000:
+        rng = random.Random()  # not the caller's seeded global stream: two jobs must not draw the same ports
+        for _ in range(64):
+            port = rng.randrange(PORT_FLOOR, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -22,35 +22,24 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from _own_model_scenarios import train_step
 
 
 def _setup(world: int) -> tuple:
+    """The model of the own-model fixtures (tests/_own_model_scenarios.py) on this job's ranks."""
     from mcore_compat import patches
 
     patches.apply_for_device("cpu")
-    from mcore_compat import launch, symbols, training
+    from _own_model_scenarios import build_user_model
+
+    from mcore_compat import launch, symbols
     from mcore_compat.selfcheck import SelfCheckOptions, models
-    from mcore_compat.selfcheck.worker import no_decay
 
     launch.init_from_env()
     opts = replace(SelfCheckOptions(model="gpt", dtype="bf16", lr=1e-3, distributed_optimizer=True, tp=1, pp=1,
                                     bind=False, offload_cycles=0), nproc=world, device="cpu").resolved()
-    models.init_parallel(opts)
-    modules, _ = models.build_chunks(opts)
-    chunks = training.wrap_ddp(modules, ddp_config=models.ddp_config(opts))
-    optimizer = training.get_megatron_optimizer(models.optim_config(opts), chunks, no_weight_decay_cond=no_decay)
-    training.install_training_hooks(chunks, optimizer)
-    ps = symbols.resolve("parallel_state")
-    return opts, models, training, chunks, optimizer, ps
-
-
-def _step(opts, models, training, chunks, optimizer, ps) -> None:
-    batches = models.make_batches(opts, ps.get_data_parallel_rank())
-    training.zero_grad_buffer(chunks, optimizer)
-    training.forward_backward(models.forward_step(opts), iter(batches), chunks[0], models.MICROBATCHES,
-                              check_hooks=False, seq_length=models.SEQ, micro_batch_size=models.MICRO_BATCH)
-    training.optimizer_step(optimizer)
-    training.finish_param_sync(chunks, optimizer)
+    chunks, optimizer = build_user_model(opts)
+    return opts, models, chunks, optimizer, symbols.resolve("parallel_state")
 
 
 def _weights(chunks) -> dict[str, torch.Tensor]:
@@ -68,8 +57,8 @@ def train(run: Path, kill: bool = False) -> dict:
     from mcore_compat.selfcheck import check_training_step
 
     world = int(os.environ["WORLD_SIZE"])
-    opts, models, training, chunks, optimizer, ps = _setup(world)
-    _step(opts, models, training, chunks, optimizer, ps)
+    opts, models, chunks, optimizer, ps = _setup(world)
+    train_step(opts, chunks, optimizer)
     if kill and dist.get_rank() == 1:  # a lost node: its rank dies between steps
         os.kill(os.getpid(), signal.SIGKILL)
     batches = models.make_batches(opts, ps.get_data_parallel_rank())
@@ -96,12 +85,12 @@ def _ranks() -> list[tuple[int, int]]:
 def load(run: Path) -> dict:
     import mcore_compat as mc
 
-    opts, models, training, chunks, optimizer, ps = _setup(1)
+    opts, _models, chunks, optimizer, ps = _setup(1)
     loaded = mc.load_checkpoint(run, chunks, optimizer)
     saved = torch.load(run / "weights.pt")
     now = _weights(chunks)
     exact = sorted(saved) == sorted(now) and all(torch.equal(saved[n], now[n]) for n in saved)
-    _step(opts, models, training, chunks, optimizer, ps)
+    train_step(opts, chunks, optimizer)
     moved = any(not torch.equal(saved[n], v) for n, v in _weights(chunks).items())
     return {"iteration": loaded.iteration, "extra": loaded.extra, "exact": exact, "trains": moved,
             "dp": ps.get_data_parallel_world_size()}

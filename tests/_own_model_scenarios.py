@@ -261,28 +261,48 @@ def fd_step(opts: Any) -> dict[str, Any]:
     from mcore_compat import patches
 
     patches.apply_for_device("cpu")
-    from mcore_compat import symbols, training
+    from mcore_compat import symbols
     from mcore_compat.selfcheck import check_training_step, models
-    from mcore_compat.selfcheck.worker import no_decay
 
     start = time.perf_counter()
     ps = symbols.resolve("parallel_state")
+    chunks, optimizer = build_user_model(opts)
+    batches = train_step(opts, chunks, optimizer)
+    report = check_training_step(chunks, optimizer, models.forward_step(opts), iter(batches),
+                                 num_microbatches=models.MICROBATCHES, finite_differences=True,
+                                 seq_length=models.SEQ, micro_batch_size=models.MICRO_BATCH)
+    models.release_chunks(chunks)
+    ps.destroy_model_parallel()
+    return {"checks": report.checks, "error": None, "seconds": round(time.perf_counter() - start, 2),
+            "settings": report.settings}
+
+
+def build_user_model(opts: Any) -> tuple[list[Any], Any]:
+    """The user's model of these fixtures, on this rank for the resolved ``opts``: the self-check's tiny GPT
+    built as training code does (model-parallel state, DDP, Megatron's optimizer with the no-decay groups, the
+    configured lr and weight decay, the training hooks). Returns ``(chunks, optimizer)``."""
+    from mcore_compat import training
+    from mcore_compat.selfcheck import models
+    from mcore_compat.selfcheck.worker import no_decay
+
     models.init_parallel(opts)
     modules, _ = models.build_chunks(opts)
     chunks = training.wrap_ddp(modules, ddp_config=models.ddp_config(opts))
     optimizer = training.get_megatron_optimizer(models.optim_config(opts), chunks, no_weight_decay_cond=no_decay)
     training.set_lr_and_weight_decay(optimizer, opts.lr, opts.weight_decay)
     training.install_training_hooks(chunks, optimizer)
-    batches = models.make_batches(opts, ps.get_data_parallel_rank())
-    step = models.forward_step(opts)
-    kwargs = dict(seq_length=models.SEQ, micro_batch_size=models.MICRO_BATCH)
+    return chunks, optimizer
+
+
+def train_step(opts: Any, chunks: list[Any], optimizer: Any) -> list[Any]:
+    """One plain training step of :func:`build_user_model`'s model on this rank's batches (returned)."""
+    from mcore_compat import symbols, training
+    from mcore_compat.selfcheck import models
+
+    batches = models.make_batches(opts, symbols.resolve("parallel_state").get_data_parallel_rank())
     training.zero_grad_buffer(chunks, optimizer)
-    training.forward_backward(step, iter(batches), chunks[0], models.MICROBATCHES, check_hooks=False, **kwargs)
+    training.forward_backward(models.forward_step(opts), iter(batches), chunks[0], models.MICROBATCHES,
+                              check_hooks=False, seq_length=models.SEQ, micro_batch_size=models.MICRO_BATCH)
     training.optimizer_step(optimizer)
     training.finish_param_sync(chunks, optimizer)
-    report = check_training_step(chunks, optimizer, step, iter(batches), num_microbatches=models.MICROBATCHES,
-                                 finite_differences=True, **kwargs)
-    models.release_chunks(chunks)
-    ps.destroy_model_parallel()
-    return {"checks": report.checks, "error": None, "seconds": round(time.perf_counter() - start, 2),
-            "settings": report.settings}
+    return batches

@@ -29,13 +29,14 @@ JOB = Path(__file__).resolve().parent / "_multinode_job.py"
 
 
 def _two_nodes(per_node: int, argv: list[str], tmp_path: Path, timeout: float = 420) -> list[tuple[int, str, str]]:
-    """Start the two node agents at once, wait for both; ``(exit status, stdout, stderr)`` per agent."""
+    """Start the two node agents at once, wait for both; ``(exit status, stdout, stderr)`` per agent. Each job
+    has a rendezvous of its own (a fresh port, below the ephemeral range: :func:`free_port`, and its own id)."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     agents = []
     for node in range(2):  # both on localhost: say which one hosts the rendezvous store (else both may try)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(per_node),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", tmp_path.name,
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"{tmp_path.name}-{port}",
                "--rdzv-conf", f"is_host={int(node == 0)}", "--max-restarts", "0", *argv]
         agents.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True))

@@ -1,5 +1,6 @@
 """The local ranks' processes as :mod:`mcore_compat.launch` manages them: the warm fork server (one per process),
-the Python stacks of hung ranks (one file per rank), and stopping a group's processes and queues."""
+the Python stacks of hung ranks (one file per rank), stopping a group's processes and queues, and the ports
+:func:`~mcore_compat.launch.free_port` draws from."""
 
 from __future__ import annotations
 
@@ -86,3 +87,15 @@ def stop_processes(procs: Sequence[Any], queues: Sequence[Any], stack_dir: str |
     if stack_dir:
         shutil.rmtree(stack_dir, ignore_errors=True)
 
+
+#: The lowest port :func:`free_port` draws (above the registered services most hosts run).
+PORT_FLOOR = 20000
+
+
+def ephemeral_low() -> int | None:
+    """The first port of the kernel's ephemeral range, or ``None`` where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
