@@ -1,5 +1,6 @@
 """The pieces of :mod:`.directional`'s verdict: one evaluation along a direction (:class:`Eval`), a parameter block
-(:class:`Block`), the seeds of the directions, and the bisection of a failing direction down to parameters."""
+(:class:`Block`), the seeds of the directions, the bisection of a failing direction down to parameters, and
+``loss_matches_float64``'s comparison."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+from .report import Check
 
 
 # ------------------------------------------------------------------------------------------------ the check
@@ -115,3 +118,24 @@ def bisect(names: Sequence[str], evaluate: Callable[[list[int], int], Eval], sub
     else:
         visit(subset, top)
     return out
+
+
+def loss_check(name: str, got64: list[float], model: list[float | None], dtype: str, rho: float) -> Check:
+    """``loss_matches_float64`` (``name``): each micro-batch's loss of the step (``model``) against the float64
+    copy's (``got64``) within ``rho`` relative."""
+    if not got64:
+        return Check.not_applicable(name, "no loss on this rank (not the last pipeline stage)")
+    worst, failures = 0.0, []
+    for i, (a, b) in enumerate(zip(model, got64, strict=False)):
+        if a is None:
+            continue
+        ratio = abs(a - b) / (rho * max(abs(b), 1e-30))
+        worst = max(worst, ratio)
+        if ratio > 1:
+            failures.append(f"micro-batch {i}: loss {a:.8g} vs the float64 copy's {b:.8g} at the current params")
+    if not failures:
+        return Check(name, True, f"{len(got64)} micro-batch losses of the step vs the float64 copy's at the "
+                                  f"current params: worst {worst:.3g} of {rho:g} relative ({dtype})",
+                     {"worst": worst})
+    return Check(name, False, "; ".join(failures[:3]) + " (the forward computed with other values than the "
+                                                         "current params?)", {"worst": worst})
