@@ -101,3 +101,7 @@ if __name__ == "__main__":
     result = train(where, kill=mode == "train-kill") if mode.startswith("train") else load(where)
     if int(os.environ.get("RANK", "0")) == 0:
         print("RESULT " + json.dumps(result), flush=True)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # as a torchrun job should end: the groups torn down before the interpreter exits
+        dist.destroy_process_group()
