@@ -9,6 +9,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mcore_compat"
+#: installed as ``mcore_compat.patches``
+PATCHES = PACKAGE.parent / "patches"
 MAX_ROOT_MODULES = 14
 MAX_LINES = 600
 
@@ -42,7 +44,7 @@ def test_the_root_holds_the_public_entry_points_only() -> None:
 
 
 def test_no_hand_written_module_over_600_lines() -> None:
-    assert oversized(PACKAGE) == {}
+    assert oversized(PACKAGE) == {} and oversized(PATCHES) == {}
     assert {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if generated(p)} == {
         "_facts/surface_data.py", "_translate/fields.py"}
 
