@@ -7,9 +7,9 @@ verified training step), with the reference copy (``reference=True``) and withou
 * time of one ``check_training_step`` / median time of one plain step (``x`` training steps), with and without
   the reference;
 * with ``--finite-differences on`` (the default) also ``check_training_step(..., finite_differences=True)``: its
-  time above the default check in plain steps, its float64 copy (8 bytes per param element; the copy's gradient is reduced to dot products as it
-  arrives, never held whole) and on CUDA its peak
-  above the default check's, as multiples of the parameter bytes (the cost goal: <= 1 plain step and <= 2x the
+  time above the default check in plain steps, its float64 copy (8 bytes per param element; the copy's gradient
+  is reduced to dot products as it arrives, never held whole) and on CUDA its peak above the default check's,
+  as multiples of the parameter bytes (the cost goal: <= 1 plain step and <= 2x the
   param bytes on top of the default check), and the status of its checks (N/A with the reason where it cannot
   run);
 * bytes: the reference copy (``reference_bytes``), the pre-step snapshot (``snapshot_bytes``: at its largest;

@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from _own_model_scenarios import train_step
+from _own_model_scenarios import build_user_model, train_step
 
 
 def _setup(world: int) -> tuple:
@@ -30,8 +30,6 @@ def _setup(world: int) -> tuple:
     from mcore_compat import patches
 
     patches.apply_for_device("cpu")
-    from _own_model_scenarios import build_user_model
-
     from mcore_compat import launch, symbols
     from mcore_compat.selfcheck import SelfCheckOptions, models
 

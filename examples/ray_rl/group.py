@@ -27,7 +27,6 @@ their Megatron workers.
 from __future__ import annotations
 
 import os
-import socket
 import zlib
 from typing import Any
 
@@ -35,12 +34,6 @@ import torch
 
 #: the batch every trainer trains on (per data-parallel rank): samples and sequence length
 BATCH, SEQ = 4, 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_batch(seed: int, vocab: int = 64) -> dict[str, torch.Tensor]:
@@ -193,6 +186,8 @@ class WorkerGroup:
     def __init__(self, trainers: int = 2, tp: int = 1, device: str = "cpu", model: dict[str, int] | None = None
                  ) -> None:
         import ray
+
+        from mcore_compat.launch import free_port
 
         port = free_port()
         resources = {"num_cpus": 1} if device == "cpu" else {"num_gpus": 1}

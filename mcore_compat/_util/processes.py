@@ -17,6 +17,7 @@ from ..errors import InvalidArgumentError
 #: The modules the fork server of this process preloads (``None``: not started by a warm group yet).
 _FORK_SERVER_MODULES: tuple[str, ...] | None = None
 
+
 def fork_server_context(modules: tuple[str, ...]) -> Any:
     """multiprocessing's ``forkserver`` context, its server preloading ``modules`` (one server per process)."""
     global _FORK_SERVER_MODULES
@@ -29,6 +30,7 @@ def fork_server_context(modules: tuple[str, ...]) -> Any:
             f"this process already has a fork server warmed with {list(_FORK_SERVER_MODULES)}; a Group asks for "
             f"{list(modules)} (one fork server per process: give every warm Group the same modules)")
     return ctx
+
 
 def dump_stacks(procs: dict[int, Any], stack_dir: str | None) -> dict[int, str]:
     """Ask hung ranks for their Python stacks (``faulthandler`` on SIGUSR1) before they are killed; returns rank ->
@@ -65,11 +67,13 @@ def dump_stacks(procs: dict[int, Any], stack_dir: str | None) -> dict[int, str]:
             stacks[r] = text
     return stacks
 
+
 def _size(path: str) -> int:
     try:
         return os.path.getsize(path)
     except OSError:
         return 0
+
 
 def stop_processes(procs: Sequence[Any], queues: Sequence[Any], stack_dir: str | None = None) -> None:
     """Stop ``procs`` (terminate, then kill), close ``queues`` and remove ``stack_dir``; safe to call twice."""

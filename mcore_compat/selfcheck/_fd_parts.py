@@ -52,6 +52,7 @@ class Eval(NamedTuple):
                          f"{self.dtype_bound:.2g}")
         return "; ".join(parts)
 
+
 @dataclass
 class Block:
     """One parameter block: its model param, the main params standing for it and its weights in the sums."""
@@ -65,11 +66,13 @@ class Block:
     parts: list[Any]  # MainParams of this param on this rank
     index: int = -1  # its place in the list of every rank's blocks (:attr:`FiniteDifferences.names_all`)
 
+
 def seed(*parts: int) -> int:
     h = 1469598103934665603
     for p in parts:
         h = ((h ^ (p & 0xFFFFFFFFFFFF)) * 1099511628211) & 0x7FFFFFFFFFFFFFFF
     return h
+
 
 def stable(name: str) -> int:
     import zlib

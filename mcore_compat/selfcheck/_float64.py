@@ -13,6 +13,7 @@ from typing import Any
 def dtype_name(dtype: Any) -> str:
     return str(dtype).replace("torch.", "")
 
+
 # ------------------------------------------------------------------------------------------------ the float64 copy
 def float64_copy(module: Any) -> Any:
     """A float64 copy of ``module`` (DDP and ``Float16Module`` stripped): parameters and floating buffers cast from
@@ -48,6 +49,7 @@ def float64_copy(module: Any) -> Any:
         p.requires_grad_(False)
     return dup
 
+
 @contextlib.contextmanager
 def float_keeps_float64() -> Iterator[None]:
     """Within: ``Tensor.float()`` of a float64 tensor returns it (a loss function's ``output.float()`` would round
@@ -67,6 +69,7 @@ def float_keeps_float64() -> Iterator[None]:
     finally:
         torch.Tensor.float = real  # type: ignore[method-assign]
 
+
 def inputs_to_float64(module: Any) -> Any:
     """A forward pre-hook handle casting the floating tensor inputs of ``module`` to float64 (Megatron's
     ``Float16Module`` casts the model's inputs to its dtype the same way)."""
@@ -81,6 +84,7 @@ def inputs_to_float64(module: Any) -> Any:
         return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
     return module.register_forward_pre_hook(hook, with_kwargs=True)
+
 
 def dropout_reproducible(device: Any, dtype: Any) -> bool:
     """Whether dropout on ``device`` draws the same mask for a float64 tensor as for one of ``dtype`` from the same
@@ -100,6 +104,7 @@ def dropout_reproducible(device: Any, dtype: Any) -> bool:
         return bool(torch.equal(masks[0], masks[1]))
     finally:
         restore(left)
+
 
 def has_dropout(chunk: Any) -> bool:
     from .wrappers import core_module

@@ -431,8 +431,8 @@ class FiniteDifferences:
                                                                  list[float], list[list[float]]]:
         """Per block (summed over the ranks): ``<g_b, v_b^k>`` and ``<g64_b, v_b^k>`` for every direction,
         ``|g_b|²``, ``|θ_b|²`` and ``|v_b^k|²`` (collective). ``g64`` is the float64 copy's gradient of this rank's
-        loss (its dot products with the directions taken by :meth:`_dots_hook` as it arrived): a TP-partitioned param's or a sequence-parallel one's (whose TP ranks each hold a
-        partial gradient) counts once per rank, a replicated one's once per TP group; times ``kappa`` (the step's
+        loss (its dot products with the directions taken by :meth:`_dots_hook` as it arrived): a TP-partitioned
+        param's or a sequence-parallel one's (whose TP ranks each hold a partial gradient) counts once per rank, a replicated one's once per TP group; times ``kappa`` (the step's
         loss from this rank's: ``1/DP``, or ``1/tokens`` of a per-token loss)."""
         import torch
 
@@ -455,7 +455,7 @@ class FiniteDifferences:
                 gg += w * float(torch.dot(gd, gd))
             whole = bool(tp_attrs(b.param)[0]) or bool(getattr(b.param, "sequence_parallel", False))
             m = kappa * (1.0 if whole else 1.0 / self.groups.tp)
-            dots = self._g64_dots[i] if i < len(self._g64_dots) else []
+            dots = self._g64_dots[i]
             if b.copy.grad is not None:  # no hook (torch < 2.1): the gradient kept whole
                 dots = [*dots, torch.stack([torch.dot(b.copy.grad.reshape(-1), v.reshape(-1)) for v in vs])]
             g64v = [m * x for x in torch.stack(dots).sum(0).tolist()] if dots else [0.0] * DIRECTIONS
@@ -575,7 +575,6 @@ class FiniteDifferences:
                 else "the step's gradient disagrees with the float64 copy's")
         detail = f"direction {k}: {r.why()}; {what} on: {text}"
         return [Check(_NAME, False, detail, {**facts, "params": named}), loss_check]
-
 
 
 def not_requested() -> list[Check]:

@@ -35,9 +35,9 @@ Otherwise the values the update check needs (main params, optimizer state, final
 the reference has run and freed its gradients (fingerprints prove the forward/backward left the main params and
 state alone, and the reference run left the gradients alone), so the copy and the reference never coexist (a
 one-step check, ``after_backward(..., last=True)``, also frees the reference copy before the snapshot); the
-gradient comparison and the rule run in blocks of :data:`_BLOCK` elements (params of at most :data:`_PACK_MAX`
-elements packed together into one evaluation of the rule, their verdicts by segment reductions), each check's
-verdicts read with one host sync.
+gradient comparison and the rule run in blocks of :data:`._checks.values.BLOCK` elements (params of at most
+:data:`._checks.values.PACK_MAX` elements packed together into one evaluation of the rule, their verdicts by
+segment reductions), each check's verdicts read with one host sync.
 
 Checks that cannot apply say so (e.g. ``model_params_match_main`` when the model params are the main params).
 """
@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from .._util.optimizer_view import MainParam, optimizer_view
+from .._util.optimizer_view import optimizer_view
 from .._util.own_math import own_tensor_math
 from ..errors import McoreCompatError
 from . import fused
@@ -69,7 +69,7 @@ from .groups import Groups
 from .host_snapshot import HostSnapshot
 from .in_step import InStep, not_streamable
 from .invariants import global_grad_norm
-from .oracle import Rule, _is_tensor, rule_of
+from .oracle import _is_tensor, rule_of
 from .reference import PlainReference
 from .report import Check
 from .rng_replay import RngReplay, unreplayable_reason
@@ -141,32 +141,32 @@ class StepVerifier(OptimizerCoversParams, GradsMatchReference, GradNormMatchesRe
         self.groups = Groups(self.device)
         self.names = named_trainable(self.chunks)
         self.view = optimizer_view(optimizer, self.names)
-        self.rules: dict[int, Rule | str] = {id(i): rule_of(i) for i in self.view.inner}
-        self.configured: dict[int, Configured | str] = {0: configured} if configured is not None else \
+        self.rules = {id(i): rule_of(i) for i in self.view.inner}
+        self.configured = {0: configured} if configured is not None else \
             from_optimizer(optimizer)
         # which main params' groups decay at the start (the build-time param-group rule, before any step)
-        self._decays: dict[int, bool] = {
+        self._decays = {
             id(mp): mp.group is not None and float(mp.group.get("wd_mult", 1.0)) != 0.0
             and float(mp.group.get("weight_decay", 0.0)) != 0.0 for mp in self.view}
-        self._eps_built: dict[int, float | None] = {
+        self._eps_built = {
             id(mp): float(mp.group["eps"]) if mp.group is not None and "eps" in mp.group else None for mp in self.view}
         self.continuity = continuity
         self.step_index = 0
-        self.tally: dict[str, Tally] = {k: Tally() for k in (
+        self.tally = {k: Tally() for k in (
             "grads", "norm", "update", "model", "changed", "continuity", "replicas", "loss")}
-        self._pre: dict[int, Pre] = {}
+        self._pre = {}
         self._host: HostSnapshot | None = None
         #: elements of each main param (by id) the step changed, counted by the update check
-        self._changed: dict[int, Any] = {}
-        self._after: dict[int, list[Fingerprint]] = {}
-        self._entry: dict[int, list[Fingerprint]] = {}
+        self._changed = {}
+        self._after = {}
+        self._entry = {}
         self._loss_scale = 1.0
-        self.losses_seen: list[float] = []
-        self.replica_groups: set[str] = set()
+        self.losses_seen = []
+        self.replica_groups = set()
         self.last_clip_coeff = 1.0
         self.rule_text = ""
-        self.unchanged: list[str] = []
-        self.reference: PlainReference | None = None
+        self.unchanged = []
+        self.reference = None
         self.reference_bytes = 0
         #: bytes of the last pre-step snapshot on the params' device and (:data:`HOST_SNAPSHOT`) in host memory
         self.snapshot_bytes = 0
@@ -179,7 +179,7 @@ class StepVerifier(OptimizerCoversParams, GradsMatchReference, GradNormMatchesRe
             self.reference = PlainReference(self.chunks, self.groups, grad_dtype, per_token_loss=per_token_loss,
                                             share_weights=one_step)
             self.reference_bytes = self.reference.nbytes()
-        self._setup_checks: list[Check] = self._coverage()
+        self._setup_checks = self._coverage()
         #: why the update is checked from a whole snapshot although ``stream`` was asked for ("" if it streams)
         self.stream_reason = "" if stream else "not asked for"
         if stream and not self.stream_reason:
@@ -193,15 +193,14 @@ class StepVerifier(OptimizerCoversParams, GradsMatchReference, GradNormMatchesRe
         #: the update is checked inside the optimizer's step (:meth:`stepping`)
         self.stream = not self.stream_reason
         self._in_step = InStep(self._entering_step, self._part_snapshot, self._verify_part)
-        self._of_main: dict[int, MainParam] = {id(mp.main): mp for mp in self.view}
-        self._grad_prints: dict[int, Fingerprint] = {}
-        self._copied_grads: set[int] = set()
+        self._of_main = {id(mp.main): mp for mp in self.view}
+        self._grad_prints = {}
+        self._copied_grads = set()
         #: per inner optimizer (streamed): the factor its gradients carried (a 0-d device tensor)
-        self._scales: dict[int, Any] = {}
-        self._verified: dict[int, list[Fingerprint]] = {}
-        self._norm_mine: tuple[float, float] | None = None
+        self._scales = {}
+        self._verified = {}
+        self._norm_mine = None
         self._stepping = False
-
 
     @property
     def loss_scale_now(self) -> float:
@@ -209,13 +208,11 @@ class StepVerifier(OptimizerCoversParams, GradsMatchReference, GradNormMatchesRe
         unscales them)."""
         return self._loss_scale
 
-
     def recording(self, forward_step_func: Callable[..., Any]) -> Callable[..., Any]:
         """The ``forward_step_func`` to give the real step: it records the random state before each micro-batch's
         forward, for the reference to replay (the same dropout masks), and a MoE model's routing choices, for the
         float64 copy of :mod:`.directional` (:mod:`.routing_replay`)."""
         return self.routing.recording(self.rng.recording(forward_step_func))
-
 
     @own_tensor_math
     def before_step(self) -> None:
@@ -238,7 +235,6 @@ class StepVerifier(OptimizerCoversParams, GradsMatchReference, GradNormMatchesRe
         self.rng.start_step()
         self.routing.start_step()
 
-
     def _start_host_snapshot(self) -> None:
         """On CUDA, start copying the :data:`HOST_SNAPSHOT` part of the snapshot to the host (it overlaps the
         forward and backward; the values cannot change before the optimizer step, the fingerprints prove it)."""
@@ -259,7 +255,6 @@ class StepVerifier(OptimizerCoversParams, GradsMatchReference, GradNormMatchesRe
         self._host = HostSnapshot(self.device)
         self._host.start(tensors)
 
-
     def _host_when_short(self) -> tuple[str, ...]:
         """``()`` if the whole snapshot fits in 90 % of the device memory free now (the forward's activations
         and the reference are gone again when it is taken), else :data:`HOST_WHEN_SHORT`."""
@@ -273,7 +268,6 @@ class StepVerifier(OptimizerCoversParams, GradsMatchReference, GradNormMatchesRe
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         headroom = fused.FUSED_BLOCK * 8 * 4  # the update check's block-sized outputs and inputs
         return () if need + headroom <= 0.9 * (free + cached) else HOST_WHEN_SHORT
-
 
     def after_backward(self, forward_step_func: Callable[..., Any] | None, batches: Sequence[Sequence[Any] | None],
                        num_microbatches: int, losses: Sequence[Any] = (), *, last: bool = False) -> None:
@@ -309,7 +303,6 @@ class StepVerifier(OptimizerCoversParams, GradsMatchReference, GradNormMatchesRe
         if self._host is not None:
             self._host.fence()  # the optimizer step overwrites what the host copies are read from
 
-
     @own_tensor_math
     def _snapshot(self, grad_prints: dict[int, Fingerprint]) -> None:
         """What the update check needs, taken after the reference ran (main params and state proven unchanged by
@@ -337,7 +330,6 @@ class StepVerifier(OptimizerCoversParams, GradsMatchReference, GradNormMatchesRe
                     self.snapshot_bytes += tensor_bytes(v)
         self._grads_unchanged(list(self.view), grad_prints, "while the reference ran")
 
-
     @own_tensor_math
     def _snapshot_grads(self, grad_prints: dict[int, Fingerprint]) -> None:
         """The finalized gradients a streamed step's checks start from (:attr:`stream`): an fp32 one is copied
@@ -359,7 +351,6 @@ class StepVerifier(OptimizerCoversParams, GradsMatchReference, GradNormMatchesRe
         self._grads_unchanged([mp for mp in self.view if id(mp) in self._copied_grads], grad_prints,
                               "while the reference ran")
 
-
     @contextmanager
     def stepping(self) -> Iterator[None]:
         """Run the step's optimizer step within this (``with verifier.stepping(): optimizer_step(...)``): where
@@ -370,7 +361,6 @@ class StepVerifier(OptimizerCoversParams, GradsMatchReference, GradNormMatchesRe
             return
         with self._in_step.installed(list(self.view.inner)):
             yield
-
 
     @own_tensor_math
     def after_step(self, update_successful: bool, grad_norm: float | None) -> None:
@@ -393,12 +383,10 @@ class StepVerifier(OptimizerCoversParams, GradsMatchReference, GradNormMatchesRe
         self._keep_continuity()
         self.step_index += 1
 
-
     @own_tensor_math
     def final_replicas(self) -> None:
         """Check the replicas once more (call when the last step's params are in place on every rank)."""
         self._replicas(f"after step {self.step_index - 1}")
-
 
     # ------------------------------------------------------------------------------------------- verdicts
     @own_tensor_math

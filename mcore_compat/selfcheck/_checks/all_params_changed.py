@@ -45,7 +45,6 @@ class AllParamsChanged(VerifierBase):
         for n in unchanged:
             t.fail(n)
 
-
     def _changed_verdict(self) -> Check:
         if self.view.unsupported:
             return Check.not_applicable("all_params_changed", f"main params not readable: {self.view.unsupported}")

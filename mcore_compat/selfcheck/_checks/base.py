@@ -77,7 +77,6 @@ class VerifierBase:
         prints = fingerprints(items)
         return {k: prints[lo:hi] for k, lo, hi in spans}
 
-
     @own_tensor_math
     def _moved(self, before: dict[int, list[Fingerprint]], model: bool = False,
                mps: Sequence[MainParam] | None = None) -> list[bool]:
@@ -93,7 +92,6 @@ class VerifierBase:
         diff = changed(pairs)
         return [odd or any(diff[lo:hi]) for lo, hi, odd in spans]
 
-
     def _grads_unchanged(self, mps: list[MainParam], grad_prints: dict[int, Fingerprint], when: str) -> None:
         """The kept finalized gradients (``_pre[...].grad``) of those of ``mps`` fingerprinted in
         ``grad_prints`` still have those fingerprints; a ``grads_match_reference`` failure for each that changed
@@ -104,5 +102,3 @@ class VerifierBase:
         for mp, moved in zip(kept, changed(pairs), strict=True):
             if moved:
                 self.tally["grads"].fail(f"step {self.step_index}: {mp.name}: the finalized gradient changed {when}")
-
-

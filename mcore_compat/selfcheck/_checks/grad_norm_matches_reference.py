@@ -30,7 +30,6 @@ class GradNormMatchesReference(VerifierBase):
         if err > bound:
             t.fail(f"step {self.step_index}: grad norm {grad_norm:.8g} vs recomputed {mine:.8g} (bound {bound:.3g})")
 
-
     def _norm_verdict(self) -> Check:
         t = self.tally["norm"]
         if self.view.unsupported or (not t.applicable and t.note):

@@ -86,7 +86,6 @@ class GradsMatchReference(VerifierBase):
         ref.grads.clear()
         ref.bounds.clear()
 
-
     @staticmethod
     def _grad_block(t: Tally, pieces: list[tuple[Any, Any, Any, int, int]], seg: Any, n: int,
                     worst_parts: list[Any], over_parts: list[Any]) -> None:
@@ -107,7 +106,6 @@ class GradsMatchReference(VerifierBase):
         worst_parts.append(worst)
         over_parts.append(over)
 
-
     @staticmethod
     def _ref_part(ref: GradReference, mp: MainParam) -> tuple[Any, Any]:
         """The reference gradient and bound of ``mp``'s part of its model param (``(None, None)`` if none)."""
@@ -115,7 +113,6 @@ class GradsMatchReference(VerifierBase):
         if full is None:
             return None, None
         return mp.model_part(full), mp.model_part(ref.bounds[mp.model])
-
 
     @own_tensor_math
     def _compare_losses(self, ref: GradReference, losses: Sequence[Any]) -> None:
@@ -134,7 +131,6 @@ class GradsMatchReference(VerifierBase):
         known = [x for x in mine if x is not None]
         if known:
             self.losses_seen.append(sum(known) / len(known))
-
 
     def _grads_verdict(self) -> Check:
         t = self.tally["grads"]

@@ -21,7 +21,6 @@ class ModelParamsMatchMain(VerifierBase):
                 t.fail(f"step {self.step_index}: {mp.name}: {int(n)}/{mp.main.numel()} elements differ from the main "
                        f"params cast to {str(mp.model.dtype).replace('torch.', '')}")
 
-
     def _model_verdict(self) -> Check:
         t = self.tally["model"]
         return verdict("model_params_match_main", t,

@@ -51,5 +51,3 @@ class OptimizerCoversParams(VerifierBase):
                 if start_diff else ""])))
         return [Check("optimizer_covers_params", not bad and not start_diff, detail,
                       {"not_covered": bad, "start_differs": start_diff})]
-
-

@@ -24,7 +24,6 @@ class ReplicasIdentical(VerifierBase):
         for failure in result.failures:
             t.fail(failure)
 
-
     def _replicas_verdict(self) -> Check:
         return verdict("replicas_identical", self.tally["replicas"],
                        f"bit-identical over: {', '.join(sorted(self.replica_groups))}",

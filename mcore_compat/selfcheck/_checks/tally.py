@@ -127,5 +127,3 @@ def verdict(name: str, t: Tally, detail: str, na: str,
             t.failures[:3])
         return Check(name, False, text, {"failures": t.failures, "worst": t.worst})
     return Check(name, True, detail, {"worst": t.worst, "where": t.where, "elements": t.elements})
-
-

@@ -37,7 +37,8 @@ from .values import (
 _SCALE_TOLERANCE = 8 * 2.0**-24
 
 
-#: Elements per main param whose ratio enters the median of :meth:`StepVerifier._scale_check` (strided).
+#: Elements per main param whose ratio enters the median of
+#: :meth:`UpdateMatchesOptimizerRule._scale_check` (strided).
 _SCALE_SAMPLES = 4096
 
 
@@ -58,7 +59,6 @@ class UpdateMatchesOptimizerRule(VerifierBase):
         self._grads_unchanged([mp for mp in mps if id(mp) not in self._copied_grads], self._grad_prints,
                               "after it was compared, before the optimizer read it")
         self._scale_check(inner, mps)
-
 
     @own_tensor_math
     def _scale_check(self, inner: Any, mps: list[MainParam]) -> None:
@@ -87,7 +87,6 @@ class UpdateMatchesOptimizerRule(VerifierBase):
         c = torch.where(torch.isnan(c), torch.ones_like(c), c).float().double()  # every gradient zero: 1
         self._scales[id(inner)] = c
 
-
     @own_tensor_math
     def _part_snapshot(self, inner: Any, part: list[Any]) -> dict[int, Pre]:
         """The pre-update values of one part of ``inner``'s params (streamed): main param and state (the
@@ -106,7 +105,6 @@ class UpdateMatchesOptimizerRule(VerifierBase):
                                   + nbytes)
         return pres
 
-
     @own_tensor_math
     def _verify_part(self, inner: Any, part: list[Any], pres: dict[int, Pre]) -> None:
         """One part's update against the rule (the finalized gradient times the factor the optimizer's
@@ -115,14 +113,12 @@ class UpdateMatchesOptimizerRule(VerifierBase):
         self._verify_update(mps, pres, self._scales.get(id(inner), 1.0), True)
         self._verified.update(self._prints(mps=mps))
 
-
     def _clip_coeff(self, grad_norm: float | None) -> float:
         clip = clip_grad(self.optimizer)
         if not clip or grad_norm is None:
             return 1.0
         coeff = clip / (grad_norm + 1.0e-6)
         return coeff if coeff < 1.0 else 1.0
-
 
     def _check_update(self, update_successful: bool, grad_norm: float | None) -> None:
         if self.view.unsupported:
@@ -133,7 +129,6 @@ class UpdateMatchesOptimizerRule(VerifierBase):
             self._after_streamed(update_successful, coeff / self._loss_scale)
         else:
             self._verify_update(list(self.view), self._pre, coeff / self._loss_scale, update_successful)
-
 
     @own_tensor_math
     def _after_streamed(self, update_successful: bool, scale: float) -> None:
@@ -176,7 +171,6 @@ class UpdateMatchesOptimizerRule(VerifierBase):
                 if moved:
                     t.fail(f"step {self.step_index}: {mp.name}: main param or optimizer state changed after its "
                            f"update was checked (later in the optimizer's step)")
-
 
     def _verify_update(self, mps: list[MainParam], pres: dict[int, Pre], scale: Any,
                        update_successful: bool) -> None:
@@ -267,7 +261,6 @@ class UpdateMatchesOptimizerRule(VerifierBase):
                 t.fail(f"step {self.step_index}: {mp.name}: optimizer step count {int(float(now['step']))} "
                        f"expected {expected}")
 
-
     def _update_block(self, t: Tally, entries: list[tuple[Any, ...]], block: list[tuple[int, int, int]],
                       scalars: dict[str, Any], ids: list[Any], worst_parts: list[Any], over_parts: list[Any],
                       moment_parts: dict[str, list[Any]]) -> None:
@@ -311,7 +304,6 @@ class UpdateMatchesOptimizerRule(VerifierBase):
         worst_parts.append(worst)
         over_parts.append(over)
 
-
     def _expected_block(self, mp: MainParam, pre: Pre, rule: Rule, hyper: dict[str, Any], scale: Any, lo: int,
                         hi: int) -> tuple[Any, dict[str, Any], Any, Any]:
         """The rule on elements ``lo:hi`` of ``mp``: ``(p', state', bound, the main param seen)`` (float64)."""
@@ -321,7 +313,6 @@ class UpdateMatchesOptimizerRule(VerifierBase):
                   for k, v in pre.state0.items()}
         p1, state1, bound = expected_step(rule, hyper, p0, grad, state0)
         return p1, state1, bound, mp.main.detach().reshape(-1)[lo:hi].double()
-
 
     def _update_example(self, mp: MainParam, pre: Pre, rule: Rule, hyper: dict[str, Any], scale: Any) -> str:
         """The first element of ``mp`` off the rule, in words (the failure path: the blocks recomputed)."""
@@ -335,7 +326,6 @@ class UpdateMatchesOptimizerRule(VerifierBase):
                 return (f"e.g. {float(got[i]):.9g} vs {float(p1[i]):.9g} from {float(pre.p0.reshape(-1)[lo + i]):.9g}"
                         f", bound {float(bound[i]):.3g}")
         return ""
-
 
     def _update_verdict(self) -> Check:
         t = self.tally["update"]

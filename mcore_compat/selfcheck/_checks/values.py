@@ -156,5 +156,3 @@ def clip_grad(optimizer: Any) -> float:
         if value is not None:
             return float(value)
     return 0.0
-
-
