@@ -32,7 +32,8 @@ def _two_nodes(per_node: int, argv: list[str], tmp_path: Path, timeout: float = 
     """Start the two node agents at once, wait for both; ``(exit status, stdout, stderr)`` per agent. Each job
     has a rendezvous of its own (a fresh port, below the ephemeral range: :func:`free_port`, and its own id)."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a rank that crashes (a C++ abort in torch's teardown) prints every thread's Python stack
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     agents = []
     for node in range(2):  # both on localhost: say which one hosts the rendezvous store (else both may try)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(per_node),
@@ -54,6 +55,14 @@ def _two_nodes(per_node: int, argv: list[str], tmp_path: Path, timeout: float = 
     return out
 
 
+def _assert_ran(agents: list[tuple[int, str, str]]) -> None:
+    """Both agents exited 0; else fail with every line both wrote (pytest would cut an assertion's repr short, and
+    a CI session's tmp_path is gone by the time one reads it)."""
+    if [code for code, _, _ in agents] != [0, 0]:
+        pytest.fail("\n".join(f"=== agent of node {node}: exit {code}\n--- stdout ---\n{out}\n--- stderr ---\n{err}"
+                              for node, (code, out, err) in enumerate(agents)), pytrace=False)
+
+
 def _result(text: str) -> dict:
     lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
     assert len(lines) == 1, text[-3000:]
@@ -62,7 +71,7 @@ def _result(text: str) -> dict:
 
 def test_selfcheck_across_two_nodes_of_two_ranks(tmp_path: Path) -> None:
     agents = _two_nodes(2, ["-m", "mcore_compat", "self-check", "--tp", "2", "--steps", "2"], tmp_path)
-    assert [code for code, _, _ in agents] == [0, 0], [err[-3000:] for _, _, err in agents]
+    _assert_ran(agents)
     reports = [out for _, out, _ in agents if "self-check:" in out]
     assert len(reports) == 1, [out[-2000:] for _, out, _ in agents]  # global rank 0 prints it, on one node
     assert "nproc=4, tp=2, pp=1, dp=2" in reports[0] and "self-check: PASS" in reports[0], reports[0][-3000:]
@@ -71,7 +80,7 @@ def test_selfcheck_across_two_nodes_of_two_ranks(tmp_path: Path) -> None:
 def test_a_user_job_on_two_nodes_checks_saves_and_resumes_on_one(tmp_path: Path) -> None:
     run = tmp_path / "run"
     agents = _two_nodes(1, [str(JOB), "train", str(run)], tmp_path)
-    assert [code for code, _, _ in agents] == [0, 0], [err[-3000:] for _, _, err in agents]
+    _assert_ran(agents)
     trained = _result("".join(out for _, out, _ in agents))
     # one rank per node: LOCAL_RANK 0 on both, global ranks 0 and 1
     assert trained["ranks"] == [[0, 0], [1, 0]] and trained["world"] == trained["dp"] == 2, trained
@@ -97,5 +106,5 @@ def test_a_rank_lost_mid_job_ends_it_on_every_node_and_the_next_job_starts_clean
     text = "".join(err for _, _, err in agents)
     assert "exitcode  : -9" in text and "rank      : 1" in text, text[-3000:]
     again = _two_nodes(1, [str(JOB), "train", str(tmp_path / "run2")], tmp_path)
-    assert [code for code, _, _ in again] == [0, 0], [err[-6000:] for _, _, err in again]
+    _assert_ran(again)
     assert _result("".join(out for _, out, _ in again))["check_ok"]
