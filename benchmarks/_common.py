@@ -118,13 +118,16 @@ def environment(device: str) -> dict[str, Any]:
 
     import mcore_compat
 
-    info = mcore_compat.detect()
+    try:
+        info: Any = mcore_compat.detect()
+    except mcore_compat.MegatronNotFoundError:  # a benchmark of torch alone (gemm_dtype_ratio)
+        info = None
     env: dict[str, Any] = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "megatron_core": str(info.version),
+        "megatron_core": str(info.version) if info else "not installed",
         "megatron_core_source": str(getattr(info, "source", "")),
         "megatron_core_install": _install_kind(getattr(info, "path", None)),
         "mcore_compat": mcore_compat.__version__,
