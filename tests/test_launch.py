@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -228,6 +231,79 @@ def test_group_destroys_the_subgroups_a_run_created(destroy: bool) -> None:
         base = group.run(_count_groups, timeout=120)
         assert group.run(_make_two_groups, timeout=60) == [b + 2 for b in base]
         assert group.run(_count_groups, timeout=60) == (base if destroy else [b + 2 for b in base])
+
+
+_ENDS_WITH_DESTROY = """
+import torch, torch.distributed as dist
+from mcore_compat.launch import destroy_process_groups_since, process_groups
+dist.init_process_group("gloo")
+before = process_groups()
+groups = [dist.new_group([0, 1]) for _ in range(30)]  # as many as Megatron's initialize_model_parallel makes
+for g in groups:
+    dist.all_reduce(torch.ones(4), group=g)
+del groups
+dist.barrier()
+destroy_process_groups_since(before)
+print("ended", dist.get_rank(), flush=True)
+"""
+
+
+def test_a_torchrun_job_may_end_right_after_destroying_its_groups(tmp_path: Path) -> None:
+    """The groups' destructors run on a thread of their own; the interpreter must wait for it. A daemon thread
+    there aborted every rank at exit (SIGABRT, "terminate called without an active exception": 5 jobs of 5)."""
+    script = tmp_path / "job.py"
+    script.write_text(_ENDS_WITH_DESTROY, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 0 and "terminate called" not in proc.stderr, proc.stderr[-3000:]
+    assert sorted(proc.stdout.split()) == ["0", "1", "ended", "ended"], proc.stdout
+
+
+_ENDS_WITH_END_JOB = """
+import atexit, sys, threading, time
+import torch.distributed as dist
+from mcore_compat.launch import end_job, init_from_env
+mode, out = sys.argv[1], sys.argv[2]
+rank, world = init_from_env()
+got = [None] * world
+dist.all_gather_object(got, rank)
+atexit.register(lambda: print("atexit", rank, flush=True))
+threading.Thread(target=lambda: (time.sleep(1), open(f"{out}.{rank}", "w").close())).start()
+if mode == "late" and rank == 1:
+    time.sleep(20)  # never reaches end_job in time
+    sys.exit(0)
+end_job(3 if mode == "failed" else 0, timeout_s=4)
+"""
+
+
+@pytest.mark.parametrize("mode", ["ok", "failed", "late"])
+def test_end_job_ends_a_torchrun_rank_as_the_interpreter_would_and_names_a_late_peer(tmp_path: Path,
+                                                                                     mode: str) -> None:
+    """``end_job``: the exit status given (0, or 3 for a rank that failed), the atexit handlers run and the
+    non-daemon threads joined first; a peer that does not arrive within the timeout is named, and the rank exits
+    1 (on gloo)."""
+    script = tmp_path / "job.py"
+    script.write_text(_ENDS_WITH_END_JOB, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--max-restarts", "0", str(script), mode, str(tmp_path / "thread")],
+                          capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
+    written = sorted(p.name for p in tmp_path.glob("thread.*"))
+    if mode == "ok":
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert sorted(proc.stdout.split()) == ["0", "1", "atexit", "atexit"] and written == ["thread.0", "thread.1"]
+    elif mode == "failed":
+        assert proc.returncode != 0 and "exitcode  : 3" in proc.stderr, proc.stderr[-3000:]
+        assert "atexit 0" in proc.stdout and "thread.0" in written, proc.stdout
+    else:
+        assert proc.returncode != 0 and "exitcode  : 1" in proc.stderr, proc.stderr[-3000:]
+        (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("rank 0: the job's end failed")]
+        assert "Rank 1 failed to pass monitoredBarrier" in line, line  # the late rank is named (torch's words)
+        assert "atexit 0" in proc.stdout and "thread.0" in written, proc.stdout
 
 
 # ------------------------------------------------------------------------------- warm groups: ranks forked
