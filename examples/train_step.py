@@ -111,7 +111,7 @@ def main() -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         launch.init_from_env(device=args.device)
         train(args.tp, args.distopt, args.bf16, args.device)
-        return
+        launch.end_job()  # the last call of a torchrun rank (docs/launch.md: why not just return)
     per_rank = launch.spawn(train, args.nproc, args=(args.tp, args.distopt, args.bf16, args.device),
                             device=args.device, timeout=300)
     print("losses per rank:", [[round(v, 4) for v in r] for r in per_rank])

@@ -99,7 +99,6 @@ if __name__ == "__main__":
     result = train(where, kill=mode == "train-kill") if mode.startswith("train") else load(where)
     if int(os.environ.get("RANK", "0")) == 0:
         print("RESULT " + json.dumps(result), flush=True)
-    import torch.distributed as dist
+    from mcore_compat import launch
 
-    if dist.is_initialized():  # as a torchrun job should end: the groups torn down before the interpreter exits
-        dist.destroy_process_group()
+    launch.end_job()  # as a torchrun job should end (docs/launch.md)

@@ -48,7 +48,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     were given to; 141 with nothing printed when the reader of a pipe closed it, ``... | head``)."""
     from .._util.pipes import exit_status
 
-    return exit_status(lambda: _main(argv))
+    code = exit_status(lambda: _main(argv))
+    if argv is None:  # the program itself (``mcore-compat``, ``python -m mcore_compat``), not a call from code
+        _end_torchrun_job(code)
+    return code
+
+
+def _end_torchrun_job(code: int) -> None:
+    """Under torchrun, a command that joined the process group (``self-check``) ends its rank the way a job should
+    (:func:`mcore_compat.launch.end_job`); elsewhere nothing happens."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from ..launch import end_job
+
+        end_job(code)
 
 
 def _main(argv: Sequence[str] | None) -> int:
