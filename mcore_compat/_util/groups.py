@@ -65,9 +65,9 @@ def end_job(code: int = 0, *, timeout_s: float = 300.0) -> NoReturn:
     caller has seen the collective finish. When that happens after the interpreter began to finalize, the worker
     thread is ended by Python while inside torch's C++ frames and the process aborts ("terminate called without an
     active exception", SIGABRT, with rank 0's results already printed); torchrun then reports the job failed.
-    Measured on 2 torchrun agents of 1 rank on a loaded 2-core machine: 2 jobs of 14 ending with
-    ``torch.distributed.destroy_process_group()`` (the groups Megatron and the model hold outlive it; see
-    docs/launch.md). Not for a Ray actor, which Ray ends itself.
+    Measured on 2 torchrun agents of 1 rank on a loaded 2-core machine: 6 jobs of 95 ending with
+    ``torch.distributed.destroy_process_group()`` aborted (the groups Megatron and the model hold outlive it), 0
+    of 120 ending with this (docs/launch.md). Not for a Ray actor, which Ray ends itself.
     """
     import atexit
 
