@@ -80,8 +80,10 @@ def end_job(code: int = 0, *, timeout_s: float = 300.0) -> NoReturn:
                 dist.monitored_barrier(timeout=timedelta(seconds=timeout_s))
             else:
                 dist.barrier()
-            if "megatron.core.parallel_state" in sys.modules:
-                sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
+            if "megatron.core" in sys.modules:  # (a job that never imported Megatron does not import it now)
+                from .. import symbols
+
+                symbols.resolve("parallel_state").destroy_model_parallel()
             dist.destroy_process_group()
     except Exception as exc:  # a peer gone or late: say so, and end non-zero
         first = (str(exc).splitlines() or [""])[0]
