@@ -248,15 +248,21 @@ print("ended", dist.get_rank(), flush=True)
 """
 
 
+def _torchrun_two_ranks(source: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``source`` written to a script and run by torchrun on 2 local ranks (no restart), with ``args``."""
+    script = tmp_path / "job.py"
+    script.write_text(source, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--max-restarts", "0", str(script), *args], capture_output=True, text=True, timeout=300,
+                          env=env, check=False)
+
+
 def test_a_torchrun_job_may_end_right_after_destroying_its_groups(tmp_path: Path) -> None:
     """The groups' destructors run on a thread of their own; the interpreter must wait for it. A daemon thread
     there aborted every rank at exit (SIGABRT, "terminate called without an active exception": 5 jobs of 5)."""
-    script = tmp_path / "job.py"
-    script.write_text(_ENDS_WITH_DESTROY, encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], capture_output=True, text=True, timeout=300, env=env, check=False)
+    proc = _torchrun_two_ranks(_ENDS_WITH_DESTROY, tmp_path)
     assert proc.returncode == 0 and "terminate called" not in proc.stderr, proc.stderr[-3000:]
     assert sorted(proc.stdout.split()) == ["0", "1", "ended", "ended"], proc.stdout
 
@@ -274,7 +280,7 @@ threading.Thread(target=lambda: (time.sleep(1), open(f"{out}.{rank}", "w").close
 if mode == "late" and rank == 1:
     time.sleep(20)  # never reaches end_job in time
     sys.exit(0)
-end_job(3 if mode == "failed" else 0, timeout_s=4)
+end_job(3 if mode == "failed" else 0, timeout_s=4 if mode == "late" else 120)  # 4 s: to wait out the late rank
 """
 
 
@@ -284,15 +290,9 @@ def test_end_job_ends_a_torchrun_rank_as_the_interpreter_would_and_names_a_late_
     """``end_job``: the exit status given (0, or 3 for a rank that failed), the atexit handlers run and the
     non-daemon threads joined first; a peer that does not arrive within the timeout is named, and the rank exits
     1 (on gloo)."""
-    script = tmp_path / "job.py"
-    script.write_text(_ENDS_WITH_END_JOB, encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "--max-restarts", "0", str(script), mode, str(tmp_path / "thread")],
-                          capture_output=True, text=True, timeout=300, env=env, check=False)
+    proc = _torchrun_two_ranks(_ENDS_WITH_END_JOB, tmp_path, mode, str(tmp_path / "thread"))
     assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
-    written = set(p.name for p in tmp_path.glob("thread.*"))
+    written = {p.name for p in tmp_path.glob("thread.*")}
     rank0 = {"thread.0", "thread.atexit.0"}  # rank 0's thread joined and its atexit handler run before it exited
     if mode == "ok":
         assert proc.returncode == 0, proc.stderr[-3000:]
