@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,13 +33,12 @@ def _time_matmul(a, b, device: str, reps: int) -> float:
     """Seconds of one product (the mean over ``reps`` back-to-back products, after one warm-up)."""
     import torch
 
+    def products() -> None:
+        for _ in range(reps):
+            torch.matmul(a, b)
+
     torch.matmul(a, b)
-    C.sync(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        torch.matmul(a, b)
-    C.sync(device)
-    return (time.perf_counter() - start) / reps
+    return C.timed(products, device)[0] / reps
 
 
 def main(argv: list[str] | None = None) -> int:
